@@ -11,10 +11,14 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "bigbatch: installing into $venv (first run takes about a minute)" >&2
-    "$venv/bin/python" -m pip install --quiet --upgrade pip >/dev/null
+    log="$venv/install.log"
     # torch first, pinned, so nothing resolves a newer (CUDA) build.
-    "$venv/bin/python" -m pip install --quiet "torch==2.13.0"
-    "$venv/bin/python" -m pip install --quiet -e "$root[dev]"
+    if ! { "$venv/bin/python" -m pip install "torch==2.13.0" &&
+           "$venv/bin/python" -m pip install -e "$root[dev]"; } >"$log" 2>&1; then
+        tail -n 30 "$log" >&2
+        echo "bigbatch: installation failed; full log in $log" >&2
+        exit 1
+    fi
     echo "$want" > "$stamp"
 fi
 export PATH="$venv/bin:$PATH"
