@@ -1,0 +1,314 @@
+"""The section dataclasses of a Strategy: one per Fleet-style TOML section.
+
+Public through :mod:`bigbatch.strategy`; attribute names are the TOML keys and
+each field's metadata holds its validation rules.
+"""
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from bigbatch._strategy_util import check_fields, closest, unknown_key_message
+from bigbatch.errors import ConfigError
+from bigbatch.scaling import RULES
+from bigbatch.schedules import DECAYS
+
+
+def _f(default: Any, **rules: Any) -> Any:
+    """A dataclass field whose metadata holds its validation rules.
+
+    Rules: ``choices`` (tuple of allowed strings), ``ge``/``gt``/``le``/``lt``
+    (numeric bounds); see ``bigbatch._strategy_util.check_fields``.
+    """
+    return field(default=default, metadata=rules)
+
+
+@dataclass(frozen=True)
+class _Section:
+    section: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        check_fields(self, self.section)
+        self._check()
+
+    def _check(self) -> None:
+        """Checks across fields of one section (after types and ranges)."""
+
+
+@dataclass(frozen=True)
+class BatchConfig(_Section):
+    """``[batch]``: batch sizes and the small-batch recipe being scaled."""
+
+    section: ClassVar[str] = "batch"
+
+    global_batch_size: int | None = _f(None, ge=1)
+    """Samples per optimizer step over all workers and merged micro-steps.
+    Unset: derived as micro_batch_size x k_steps x world_size."""
+    micro_batch_size: int | None = _f(None, ge=1)
+    """Samples per worker per forward/backward (one micro-step).
+    Unset: derived as global_batch_size / (k_steps x world_size)."""
+    base_batch_size: int = _f(256, ge=1)
+    """Batch size of the small-batch recipe; scale = global_batch_size / base_batch_size.
+    When neither batch size is set, the global batch is this one (scale 1)."""
+    base_lr: float = _f(0.1, gt=0)
+    """Learning rate of the small-batch recipe at base_batch_size."""
+    scaling: str = _f("linear", choices=RULES)
+    """Batch -> LR rule: linear (x scale, Goyal et al.), sqrt (x sqrt(scale)), none."""
+    warmup_steps: int = _f(0, ge=0)
+    """Optimizer steps of gradual warmup from base_lr to the scaled peak LR."""
+    warmup_epochs: float = _f(0.0, ge=0)
+    """Warmup in epochs instead of steps (needs steps_per_epoch at run time)."""
+    decay: str = _f("cosine", choices=DECAYS)
+    """Decay after warmup: cosine, poly, step or none."""
+    decay_power: float = _f(1.0, gt=0)
+    """poly decay: exponent of (1 - progress)."""
+    decay_milestones: tuple[float, ...] = _f(())
+    """step decay: strictly increasing fractions of training in (0, 1)."""
+    decay_gamma: float = _f(0.1, gt=0, le=1)
+    """step decay: LR factor applied at each milestone."""
+    final_lr_ratio: float = _f(0.0, ge=0, le=1)
+    """cosine/poly decay: final LR as a fraction of the peak LR."""
+
+    def _check(self) -> None:
+        if self.warmup_steps and self.warmup_epochs:
+            raise ConfigError(
+                f"batch.warmup_steps={self.warmup_steps} and batch.warmup_epochs="
+                f"{self.warmup_epochs} are both set; set one of them"
+            )
+        ms = self.decay_milestones
+        if any(not 0 < m < 1 for m in ms) or any(a >= b for a, b in zip(ms, ms[1:], strict=False)):
+            raise ConfigError(
+                f"batch.decay_milestones must be strictly increasing fractions in (0, 1), "
+                f"got {list(ms)}"
+            )
+        if self.decay == "step" and not ms:
+            raise ConfigError(
+                'batch.decay_milestones is empty but batch.decay = "step"; '
+                "give fractions of training, e.g. [0.5, 0.75]"
+            )
+
+
+@dataclass(frozen=True)
+class OptimizerConfig(_Section):
+    """``[optimizer]``: the inner optimizer that [lars] / [lamb] wrap (Fleet's inner optimizer)."""
+
+    section: ClassVar[str] = "optimizer"
+
+    type: str = _f("momentum", choices=("momentum", "adamw"))
+    """momentum (SGD with momentum; LARS wraps it) or adamw (LAMB wraps it)."""
+    momentum: float = _f(0.9, ge=0, lt=1)
+    """Momentum coefficient (mu) for momentum SGD and LARS."""
+    nesterov: bool = _f(False)
+    """Nesterov momentum (momentum SGD and LARS)."""
+    weight_decay: float = _f(0.0, ge=0)
+    """Weight decay of the plain optimizer; must be 0 with [lars]/[lamb], which carry their own."""
+    beta1: float = _f(0.9, ge=0, lt=1)
+    """Adam first-moment decay (adamw and LAMB)."""
+    beta2: float = _f(0.999, ge=0, lt=1)
+    """Adam second-moment decay (adamw and LAMB)."""
+    epsilon: float = _f(1e-8, ge=0)
+    """Adam denominator epsilon (adamw and LAMB)."""
+
+    def _check(self) -> None:
+        if self.type == "momentum" and self.nesterov and self.momentum == 0:
+            raise ConfigError("optimizer.nesterov = true needs optimizer.momentum > 0, got 0.0")
+
+
+@dataclass(frozen=True)
+class LarsConfig(_Section):
+    """``[lars]``: layer-wise adaptive rate scaling on top of momentum SGD (You et al. 2017)."""
+
+    section: ClassVar[str] = "lars"
+
+    enable: bool = _f(True)
+    """Switch LARS on (a present [lars] section means true)."""
+    lars_coeff: float = _f(0.001, gt=0)
+    """Trust coefficient eta: local_lr = lr * lars_coeff * ||w|| / (||g|| + wd * ||w||)."""
+    lars_weight_decay: float = _f(5e-4, ge=0)
+    """Weight decay inside the LARS update (replaces optimizer.weight_decay)."""
+    epsilon: float = _f(0.0, ge=0)
+    """Added to the trust-ratio denominator for numerical safety."""
+    exclude_from_weight_decay: tuple[str, ...] = _f(())
+    """Parameter-name substrings with no weight decay and no trust ratio (e.g. "bn", "bias")."""
+    trust_clip: bool = _f(False)
+    """Clip the trust ratio at 1 (LARC-style)."""
+    always_adapt: bool = _f(False)
+    """Apply the trust ratio also to excluded parameters."""
+
+
+@dataclass(frozen=True)
+class LambConfig(_Section):
+    """``[lamb]``: layer-wise adaptive moments on top of AdamW (You et al. 2019)."""
+
+    section: ClassVar[str] = "lamb"
+
+    enable: bool = _f(True)
+    """Switch LAMB on (a present [lamb] section means true)."""
+    lamb_weight_decay: float = _f(0.01, ge=0)
+    """Decoupled weight decay inside the LAMB update (replaces optimizer.weight_decay)."""
+    exclude_from_weight_decay: tuple[str, ...] = _f(())
+    """Parameter-name substrings with no weight decay and no trust ratio (e.g. "layer_norm")."""
+    max_grad_norm: float | None = _f(None, gt=0)
+    """Clip the global gradient norm to this before the update; unset: no clipping."""
+    trust_clip: bool = _f(False)
+    """Clip the trust ratio at 1."""
+    always_adapt: bool = _f(False)
+    """Apply the trust ratio also to excluded parameters."""
+
+
+@dataclass(frozen=True)
+class GradientMergeConfig(_Section):
+    """``[gradient_merge]``: k micro-steps of gradients per optimizer step."""
+
+    section: ClassVar[str] = "gradient_merge"
+
+    enable: bool = _f(True)
+    """Switch gradient merge on (a present section means true); off means k_steps = 1."""
+    k_steps: int | None = _f(None, ge=1)
+    """Micro-steps merged per optimizer step; unset: derived from the batch sizes."""
+    avg: bool = _f(True)
+    """true: the merged gradient is the mean over micro-steps; false: the sum."""
+
+
+@dataclass(frozen=True)
+class AmpConfig(_Section):
+    """``[amp]``: mixed precision via torch.amp autocast (+ GradScaler for float16)."""
+
+    section: ClassVar[str] = "amp"
+
+    enable: bool = _f(True)
+    """Switch mixed precision on (a present section means true)."""
+    dtype: str = _f("float16", choices=("float16", "bfloat16"))
+    """Autocast dtype; bfloat16 runs without loss scaling."""
+    init_loss_scaling: float = _f(32768.0, gt=0)
+    """Initial loss scale (float16)."""
+    incr_every_n_steps: int = _f(1000, ge=1)
+    """Grow the scale after this many consecutive finite steps."""
+    decr_every_n_nan_or_inf: int = _f(2, ge=1)
+    """Shrink the scale after this many steps with inf/nan gradients."""
+    incr_ratio: float = _f(2.0, gt=1)
+    """Factor by which the scale grows."""
+    decr_ratio: float = _f(0.5, gt=0, lt=1)
+    """Factor by which the scale shrinks."""
+    use_dynamic_loss_scaling: bool = _f(True)
+    """false: keep init_loss_scaling fixed (overflow steps are still skipped)."""
+
+
+@dataclass(frozen=True)
+class RecomputeConfig(_Section):
+    """``[recompute]``: activation checkpointing of named modules."""
+
+    section: ClassVar[str] = "recompute"
+
+    enable: bool = _f(True)
+    """Switch recompute on (a present section means true)."""
+    checkpoints: tuple[str, ...] = _f(())
+    """Module names (as in model.named_modules()) whose forward is recomputed in backward."""
+
+    def _check(self) -> None:
+        if self.enable and not self.checkpoints:
+            raise ConfigError(
+                "recompute.checkpoints is empty; name the modules to recompute "
+                '(as in model.named_modules(), e.g. ["blocks.0", "blocks.1"])'
+            )
+
+
+@dataclass(frozen=True)
+class DataParallelConfig(_Section):
+    """``[data_parallel]``: DistributedDataParallel over the torchrun environment."""
+
+    section: ClassVar[str] = "data_parallel"
+
+    backend: str = _f("auto", choices=("auto", "gloo", "nccl"))
+    """Process-group backend; auto: nccl on GPU, gloo on CPU."""
+    bucket_cap_mb: float = _f(25.0, gt=0)
+    """DDP gradient bucket size in MiB."""
+    sync_batch_norm: bool = _f(False)
+    """Convert BatchNorm layers to SyncBatchNorm (statistics over all workers)."""
+    reduce: str = _f("mean", choices=("mean", "adasum"))
+    """How worker gradients combine: mean (all-reduce average) or adasum."""
+    timeout_s: float = _f(300.0, gt=0)
+    """Collective timeout in seconds."""
+
+
+@dataclass(frozen=True)
+class AdaptiveConfig(_Section):
+    """``[adaptive]``: adaptive learning rate / batch size and noise-scale tracking."""
+
+    section: ClassVar[str] = "adaptive"
+
+    lr: str = _f("none", choices=("none", "adascale"))
+    """adascale: LR gain from gradient statistics (Johnson et al. 2020); needs batch.scaling = "none"."""
+    batch_size: str = _f("fixed", choices=("fixed", "goodput"))
+    """goodput: choose the global batch size during training (Pollux/AdaptDL)."""
+    min_batch_size: int | None = _f(None, ge=1)
+    """Smallest global batch goodput may pick; unset: the configured global batch."""
+    max_batch_size: int | None = _f(None, ge=1)
+    """Largest global batch goodput may pick; unset: no limit beyond memory."""
+    interval_steps: int = _f(100, ge=1)
+    """Optimizer steps between adaptive decisions."""
+    gain_threshold: float = _f(0.05, ge=0)
+    """Relative goodput gain needed to change the batch size."""
+    noise_scale: bool = _f(False)
+    """Track the gradient noise scale (GNS) and report it."""
+    gns_ema: float = _f(0.95, ge=0, lt=1)
+    """EMA decay of the gradient-statistics estimators."""
+
+    @property
+    def active(self) -> bool:
+        """Whether anything adaptive is switched on."""
+        return self.lr != "none" or self.batch_size != "fixed" or self.noise_scale
+
+    def _check(self) -> None:
+        lo, hi = self.min_batch_size, self.max_batch_size
+        if lo is not None and hi is not None and lo > hi:
+            raise ConfigError(
+                f"adaptive.min_batch_size={lo} is larger than adaptive.max_batch_size={hi}"
+            )
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    c.section: c
+    for c in (
+        BatchConfig,
+        OptimizerConfig,
+        LarsConfig,
+        LambConfig,
+        GradientMergeConfig,
+        AmpConfig,
+        RecomputeConfig,
+        DataParallelConfig,
+        AdaptiveConfig,
+    )
+}
+KEYS = {name: [f.name for f in dataclasses.fields(c)] for name, c in SECTIONS.items()}
+
+
+def section_from_dict(cls: type[_Section], body: Mapping[str, Any]) -> _Section:
+    for key in body:
+        if key not in KEYS[cls.section]:
+            raise ConfigError(unknown_key_message(cls.section, key, KEYS))
+    return cls(**body)
+
+
+def is_optional(section: str, key: str) -> bool:
+    f = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == key)
+    return f.default is None
+
+
+def unknown_section_message(name: str, table: bool = True) -> str:
+    """One line for a top-level name that is no section; ``table``: it was written as one."""
+    owners = [s for s, keys in KEYS.items() if name in keys]
+    if not table:
+        where = f"; it belongs in [{owners[0]}]" if owners else ""
+        return f"unknown top-level key `{name}`{where} (keys go inside [section] tables)"
+    msg = f"unknown section [{name}]"
+    base = name.removesuffix("_configs")
+    if base != name and base in SECTIONS:
+        return f"{msg}; did you mean `[{base}]`? (Fleet's {name} keys go under [{base}])"
+    if guess := closest(name, list(SECTIONS)):
+        return f"{msg}; did you mean `[{guess}]`?"
+    if owners:
+        return f"{msg}; `{name}` is a key of [{owners[0]}]"
+    return f"{msg}; valid sections: {', '.join(SECTIONS)}"

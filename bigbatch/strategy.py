@@ -1,0 +1,345 @@
+"""Strategy: the one typed config, Fleet-style sections, TOML in and out.
+
+Each TOML section is a frozen dataclass whose attribute names are the TOML
+keys, which follow PaddlePaddle Fleet's ``DistributedStrategy`` names
+(``lars_coeff``, ``exclude_from_weight_decay``, ``k_steps``, ``avg``,
+``init_loss_scaling``, ...)::
+
+    [batch]
+    global_batch_size = 4096
+    micro_batch_size = 64
+    base_lr = 0.1
+    warmup_epochs = 5
+
+    [lars]                      # a present section switches the strategy on
+    lars_coeff = 0.001
+    exclude_from_weight_decay = ["bn", "bias"]
+
+A present section (or ``enable = true``) switches a strategy on,
+``enable = false`` switches it off; fields of a disabled section are still
+validated. Every user mistake raises :class:`bigbatch.errors.ConfigError` with
+one line naming the key, the value and what is allowed.
+"""
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import tomli_w
+import tomllib
+
+from bigbatch._strategy_sections import (
+    KEYS,
+    SECTIONS,
+    AdaptiveConfig,
+    AmpConfig,
+    BatchConfig,
+    DataParallelConfig,
+    GradientMergeConfig,
+    LambConfig,
+    LarsConfig,
+    OptimizerConfig,
+    RecomputeConfig,
+    is_optional,
+    section_from_dict,
+    unknown_section_message,
+)
+from bigbatch._strategy_util import (
+    parse_literal,
+    read_toml_source,
+    render_overview,
+    unknown_key_message,
+)
+from bigbatch.errors import ConfigError
+from bigbatch.scaling import scale_lr
+from bigbatch.schedules import warmup_start_lr
+
+__all__ = [
+    "AdaptiveConfig",
+    "AmpConfig",
+    "BatchConfig",
+    "BatchPlan",
+    "DataParallelConfig",
+    "GradientMergeConfig",
+    "LambConfig",
+    "LarsConfig",
+    "OptimizerConfig",
+    "RecomputeConfig",
+    "Strategy",
+]
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Batch arithmetic and peak LR resolved for one world size."""
+
+    global_batch_size: int
+    """Samples per optimizer step, all workers and micro-steps together."""
+    micro_batch_size: int
+    """Samples per worker per micro-step."""
+    k_steps: int
+    """Micro-steps merged per optimizer step (1 without gradient merge)."""
+    world_size: int
+    """Number of data-parallel workers."""
+    scale: float
+    """global_batch_size / base_batch_size."""
+    peak_lr: float
+    """base_lr scaled by the batch rule: the LR after warmup."""
+
+
+def _off(cls: type) -> Any:
+    return field(default_factory=lambda: cls(enable=False))
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """All of a run's large-batch settings; ``Strategy()`` is plain momentum SGD."""
+
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    """[batch]: batch sizes, LR scaling rule, warmup and decay."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """[optimizer]: inner optimizer (momentum or adamw)."""
+    lars: LarsConfig = _off(LarsConfig)
+    """[lars]: LARS on top of momentum (off by default)."""
+    lamb: LambConfig = _off(LambConfig)
+    """[lamb]: LAMB on top of adamw (off by default)."""
+    gradient_merge: GradientMergeConfig = _off(GradientMergeConfig)
+    """[gradient_merge]: k micro-steps per optimizer step (off by default)."""
+    amp: AmpConfig = _off(AmpConfig)
+    """[amp]: mixed precision (off by default)."""
+    recompute: RecomputeConfig = field(
+        default_factory=lambda: RecomputeConfig(enable=False, checkpoints=())
+    )
+    """[recompute]: activation checkpointing (off by default)."""
+    data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
+    """[data_parallel]: DDP settings (used when world_size > 1)."""
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    """[adaptive]: AdaScale, goodput batch size, noise scale (all off by default)."""
+
+    def __post_init__(self) -> None:
+        for name, cls in SECTIONS.items():
+            value = getattr(self, name)
+            if isinstance(value, Mapping):
+                object.__setattr__(self, name, section_from_dict(cls, value))
+            elif not isinstance(value, cls):
+                raise ConfigError(f"[{name}] must be a {cls.__name__}, got {type(value).__name__}")
+        self._check_combination()
+
+    def _check_combination(self) -> None:
+        lars, lamb, opt = self.lars.enable, self.lamb.enable, self.optimizer
+        if lars and lamb:
+            raise ConfigError("[lars] and [lamb] are both enabled; enable at most one of them")
+        if lars and opt.type != "momentum":
+            raise ConfigError(
+                f'[lars] needs optimizer.type = "momentum" (LARS wraps momentum SGD), '
+                f'got "{opt.type}"'
+            )
+        if lamb and opt.type != "adamw":
+            raise ConfigError(
+                f'[lamb] needs optimizer.type = "adamw" (LAMB wraps AdamW), got "{opt.type}"'
+            )
+        if (lars or lamb) and opt.weight_decay != 0:
+            name = "lars" if lars else "lamb"
+            raise ConfigError(
+                f"optimizer.weight_decay={opt.weight_decay} with [{name}] would decay twice; "
+                f"set it to 0 and use {name}.{name}_weight_decay"
+            )
+        if self.adaptive.lr == "adascale" and self.batch.scaling != "none":
+            raise ConfigError(
+                f'adaptive.lr = "adascale" supplies its own LR gain; set batch.scaling = "none" '
+                f'(got "{self.batch.scaling}")'
+            )
+
+    # -- dict / TOML -----------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Strategy":
+        """Build from ``{section: {key: value}}`` as TOML loads it; validates everything."""
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"a strategy must be a table of sections, got {type(d).__name__}")
+        sections = {}
+        for name, body in d.items():
+            if name not in SECTIONS:
+                raise ConfigError(unknown_section_message(name, isinstance(body, Mapping)))
+            if not isinstance(body, Mapping):
+                fleet = "enable = true, " if "enable" in KEYS[name] else ""
+                raise ConfigError(
+                    f"`{name}` must be a section: write [{name}] with its keys "
+                    f"({fleet}...), got {body!r}"
+                )
+            sections[name] = section_from_dict(SECTIONS[name], body)
+        return cls(**sections)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """``{section: {key: value}}`` with every field; unset (None) fields are left out."""
+        out: dict[str, dict[str, Any]] = {}
+        for name in SECTIONS:
+            section = getattr(self, name)
+            out[name] = {
+                k: list(v) if isinstance(v, tuple) else v
+                for k in KEYS[name]
+                if (v := getattr(section, k)) is not None
+            }
+        return out
+
+    @classmethod
+    def from_toml(cls, path_or_text: str | os.PathLike) -> "Strategy":
+        """Load from a TOML file path or from TOML text."""
+        source, text = read_toml_source(path_or_text)
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{source}: invalid TOML: {e}") from None
+        return cls.from_dict(data)
+
+    def to_toml(self) -> str:
+        """TOML text with every section and field; ``from_toml(s.to_toml()) == s``."""
+        return tomli_w.dumps(self.to_dict())
+
+    def with_overrides(self, overrides: Iterable[str]) -> "Strategy":
+        """A copy with ``"section.key=value"`` overrides applied (the CLI's ``--set``).
+
+        Values are TOML literals (``4096``, ``0.002``, ``true``, ``["bn", "bias"]``,
+        ``"x"``); a bare word is a string (``amp.dtype=bfloat16``) and ``none``
+        unsets an optional key. As writing a key in a TOML section would, setting
+        a key of a switchable section turns that section on unless the same
+        overrides also set its ``enable``.
+        """
+        d = self.to_dict()
+        touched, enables = set(), set()
+        for item in overrides:
+            key, eq, raw = item.partition("=")
+            section, dot, name = key.strip().partition(".")
+            if not eq or not dot or not name:
+                raise ConfigError(f"override {item!r} must look like section.key=value")
+            if section not in SECTIONS:
+                raise ConfigError(unknown_section_message(section))
+            if name not in KEYS[section]:
+                raise ConfigError(unknown_key_message(section, name, KEYS))
+            value = parse_literal(raw.strip())
+            if value in ("none", "null") and is_optional(section, name):
+                d[section].pop(name, None)
+            else:
+                d[section][name] = value
+            touched.add(section)
+            if name == "enable":
+                enables.add(section)
+        for section in touched - enables:
+            if "enable" in KEYS[section]:
+                d[section]["enable"] = True
+        return Strategy.from_dict(d)
+
+    # -- derived numbers ---------------------------------------------------------------
+
+    def resolve(self, world_size: int) -> BatchPlan:
+        """Batch sizes, merge steps and peak LR for ``world_size`` workers.
+
+        ``global = micro x k_steps x world_size``; any two of global, micro and
+        k_steps determine the third (k_steps is 1 without [gradient_merge]).
+        With neither batch size set, the global batch is ``base_batch_size``.
+        """
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"world_size must be an int >= 1, got {world_size!r}")
+        b, w = self.batch, world_size
+        merge = self.gradient_merge.enable
+        g, m = b.global_batch_size, b.micro_batch_size
+        k = self.gradient_merge.k_steps if merge else 1
+        if g is None and m is None:
+            g = b.base_batch_size
+        if k is None and (g is None or m is None):
+            k = 1
+        if g is None:
+            g = m * k * w
+        elif m is None:
+            if g % (k * w):
+                raise ConfigError(
+                    f"batch.global_batch_size={g} is not divisible by k_steps {k} x "
+                    f"world_size {w} = {k * w}"
+                )
+            m = g // (k * w)
+        elif k is None:
+            if g % (m * w):
+                raise ConfigError(
+                    f"batch.global_batch_size={g} is not a multiple of micro_batch_size {m} x "
+                    f"world_size {w} = {m * w}"
+                )
+            k = g // (m * w)
+        elif g != m * k * w:
+            hint = ""
+            if not merge and g > m * w and g % (m * w) == 0:
+                hint = f"; enable [gradient_merge] to merge {g // (m * w)} micro-steps"
+            raise ConfigError(
+                f"batch.global_batch_size={g} is not micro_batch_size {m} x k_steps {k} x "
+                f"world_size {w} = {m * k * w}{hint}"
+            )
+        scale = g / b.base_batch_size
+        return BatchPlan(g, m, k, w, scale, scale_lr(b.base_lr, scale, b.scaling))
+
+    def overview(
+        self,
+        world_size: int,
+        *,
+        steps_per_epoch: int | None = None,
+        total_steps: int | None = None,
+    ) -> str:
+        """Fleet-style "DistributedStrategy Overview" table plus the derived numbers.
+
+        Plain ASCII, 80 columns: reads the same in a terminal and in a log file.
+        """
+        plan = self.resolve(world_size)
+        blocks: list[tuple[str, list[tuple[str, Any]]]] = []
+        for name in SECTIONS:
+            section = getattr(self, name)
+            enable = getattr(section, "enable", None)
+            if enable is False or (name == "adaptive" and not section.active):
+                continue
+            title = f"[{name}]" if enable is None else f"{name}=True <-> [{name}]"
+            rows = [(k, getattr(section, k)) for k in KEYS[name] if k != "enable"]
+            blocks.append((title, rows))
+        blocks.append(
+            (
+                f"derived (world_size={world_size})",
+                self._derived_rows(plan, steps_per_epoch, total_steps),
+            )
+        )
+        return render_overview("bigbatch DistributedStrategy Overview", blocks)
+
+    def _derived_rows(
+        self, plan: BatchPlan, steps_per_epoch: int | None, total_steps: int | None
+    ) -> list[tuple[str, Any]]:
+        b = self.batch
+        if b.warmup_epochs:
+            warmup = f"{b.warmup_epochs:g} epochs"
+            if steps_per_epoch:
+                warmup += f" = {round(b.warmup_epochs * steps_per_epoch)} steps"
+        else:
+            warmup = f"{b.warmup_steps} steps"
+        if b.warmup_steps or b.warmup_epochs:
+            warmup += f" from {warmup_start_lr(b.base_lr, plan.peak_lr):.6g}"
+        rows: list[tuple[str, Any]] = [
+            ("global_batch_size", plan.global_batch_size),
+            ("micro_batch_size", f"{plan.micro_batch_size} per worker per micro-step"),
+            ("k_steps", plan.k_steps),
+            ("world_size", plan.world_size),
+            (
+                "global = micro x k x world",
+                f"{plan.micro_batch_size} x {plan.k_steps} x {plan.world_size}",
+            ),
+            ("scale", f"{plan.scale:g} = {plan.global_batch_size} / {b.base_batch_size}"),
+            ("peak_lr", f"{plan.peak_lr:.6g} = {b.base_lr:g} x {b.scaling}({plan.scale:g})"),
+            ("warmup", warmup),
+            ("decay", b.decay),
+            ("optimizer", self.optimizer_name()),
+        ]
+        if total_steps is not None:
+            rows.append(("total_steps", total_steps))
+        return rows
+
+    def optimizer_name(self) -> str:
+        """The optimizer the engine builds: ``LARS``, ``LAMB``, ``momentum`` or ``adamw``."""
+        if self.lars.enable:
+            return "LARS"
+        if self.lamb.enable:
+            return "LAMB"
+        return self.optimizer.type
