@@ -1,0 +1,215 @@
+"""charlm: character-level language modelling on text that ships with Python.
+
+The corpus is `pydoc_data.topics.topics` (the help texts, about 465k characters),
+joined in sorted-key order; the last 10% is held out. The model is a small
+decoder-only pre-LayerNorm Transformer, so LAMB's "no decay / no trust ratio on
+norms and biases" rules have something to act on.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from bigbatch.errors import ConfigError
+from bigbatch.tasks._base import Recipe, Reduce, Task, eval_sums
+
+IGNORE_INDEX = -100
+"""Target value of padding positions: ignored by the loss and not counted."""
+
+_RECIPES = {
+    "transformer": Recipe(
+        base_batch_size=32,
+        base_lr=1e-3,
+        epochs=4,
+        optimizer="adamw",
+        momentum=0.9,
+        weight_decay=0.01,
+        warmup_epochs=0.25,
+        reference=None,
+    ),
+}
+
+
+def corpus() -> str:
+    """The full text, deterministic for a given Python version."""
+    from pydoc_data.topics import topics
+
+    return "\n".join(topics[k] for k in sorted(topics))
+
+
+def _windows(ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # Non-overlapping windows; the target of a window's last position is the next window's
+    # first character, so an epoch predicts every character once.
+    n = (ids.numel() - 1) // seq_len
+    x = ids[: n * seq_len].view(n, seq_len)
+    y = ids[1 : n * seq_len + 1].view(n, seq_len)
+    return x.clone(), y.clone()
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_head: int, dropout: float):
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        # Causal masking also makes right-padding harmless: real positions never see it.
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm Transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, d_model: int, n_head: int, dropout: float):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_head, dropout)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
+        )
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm1(x)))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+class CharTransformer(nn.Module):
+    """Decoder-only Transformer over characters; output logits `(batch, time, vocab)`."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        seq_len: int,
+        d_model: int = 128,
+        n_layer: int = 2,
+        n_head: int = 4,
+        dropout: float = 0.0,
+        tie_weights: bool = True,
+    ):
+        super().__init__()
+        if d_model % n_head:
+            raise ConfigError(f"d_model={d_model} must be divisible by n_head={n_head}")
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.Sequential(*(Block(d_model, n_head, dropout) for _ in range(n_layer)))
+        self.norm_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        if tie_weights:
+            self.head.weight = self.tok_emb.weight
+        self.apply(self._init)
+        # GPT-2's scaled init of residual projections keeps the residual stream's variance flat.
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        pos = torch.arange(t, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        return self.head(self.norm_f(self.blocks(x)))
+
+
+class CharLM(Task):
+    """Next-character prediction; metric: held-out loss (nats/char) and bits per character."""
+
+    name = "charlm"
+    models = ("transformer",)
+    default_model = "transformer"
+    metric = "bpc"
+    higher_is_better = False
+
+    def __init__(
+        self,
+        seq_len: int = 128,
+        variable_length: bool = False,
+        min_length: int | None = None,
+        seed: int = 0,
+        test_fraction: float = 0.1,
+        d_model: int = 128,
+        n_layer: int = 2,
+        n_head: int = 4,
+        dropout: float = 0.0,
+        tie_weights: bool = True,
+    ):
+        """`variable_length`: each training window keeps a random real length in
+        `[min_length, seq_len]` (drawn once from `seed`), the rest is padding whose
+        targets are `IGNORE_INDEX`; the test windows are always full."""
+        if seq_len < 2:
+            raise ConfigError(f"seq_len={seq_len} is too small; allowed: >= 2")
+        if not 0.0 < test_fraction < 1.0:
+            raise ConfigError(f"test_fraction={test_fraction} is out of range; allowed: (0, 1)")
+        text = corpus()
+        self.chars = sorted(set(text))
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+        ids = torch.tensor([self.stoi[c] for c in text], dtype=torch.long)
+        split = int(len(ids) * (1.0 - test_fraction))
+        self.seq_len = seq_len
+        self.model_options = dict(
+            d_model=d_model, n_layer=n_layer, n_head=n_head, dropout=dropout,
+            tie_weights=tie_weights,
+        )
+        x, y = _windows(ids[:split], seq_len)
+        if variable_length:
+            lo = seq_len // 4 if min_length is None else min_length
+            if not 1 <= lo <= seq_len:
+                raise ConfigError(f"min_length={lo} is out of range; allowed: [1, {seq_len}]")
+            gen = torch.Generator().manual_seed(seed)
+            lengths = torch.randint(lo, seq_len + 1, (len(x),), generator=gen)
+            pad = torch.arange(seq_len)[None, :] >= lengths[:, None]
+            x = x.masked_fill(pad, 0)
+            y = y.masked_fill(pad, IGNORE_INDEX)
+        self.train_set = TensorDataset(x, y)
+        self.test_set = TensorDataset(*_windows(ids[split:], seq_len))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[i] for i in ids if i != IGNORE_INDEX)
+
+    def build_model(self, name: str | None = None) -> nn.Module:
+        self.check_model(name)
+        return CharTransformer(self.vocab_size, self.seq_len, **self.model_options)
+
+    def recipe(self, model: str | None = None) -> Recipe:
+        return _RECIPES[self.check_model(model)]
+
+    def loss(self, output, batch):
+        y = batch[1]
+        loss = F.cross_entropy(
+            output.reshape(-1, output.shape[-1]), y.reshape(-1),
+            ignore_index=IGNORE_INDEX, reduction="sum",
+        )
+        return loss, int((y != IGNORE_INDEX).sum())
+
+    def evaluate(self, model, loader, reduce: Reduce | None = None) -> dict[str, float]:
+        sums = eval_sums(self, model, loader)
+        if reduce is not None:
+            sums = reduce(sums)
+        loss = sums[0].item() / max(sums[1].item(), 1.0)
+        return {"loss": loss, "bpc": loss / math.log(2)}

@@ -1,0 +1,188 @@
+"""MNIST-1D: procedurally generated 1-D digit signals (Greydanus, 2020), a 1-D CNN and an MLP.
+
+The data come from the `mnist1d` package's generator (`make_dataset`), never its
+download; they are generated once per parameter set and cached as a `.pt` file.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from bigbatch.checkpoint import atomic_save
+from bigbatch.errors import ConfigError
+from bigbatch.tasks._base import Recipe, Reduce, Task, cache_dir, eval_sums, params_hash
+
+SEQ_LEN = 40
+NUM_CLASSES = 10
+
+# Measured with `benchmarks`-style runs on CPU; see the recipe notes.
+_RECIPES = {
+    "cnn": Recipe(
+        base_batch_size=128,
+        base_lr=0.1,
+        epochs=8,
+        weight_decay=5e-4,
+        reference=None,
+    ),
+    "mlp": Recipe(
+        base_batch_size=128,
+        base_lr=0.05,
+        epochs=8,
+        weight_decay=5e-4,
+        reference=None,
+    ),
+}
+
+
+def cache_key(num_samples: int = 50_000, seed: int = 42) -> dict:
+    """What identifies a generated data set: generator version, sample count and seed.
+
+    The generator's other arguments are the package defaults of that version, so the
+    version stands for them (and importing `mnist1d` costs about a second).
+    """
+    return {
+        "generator": "mnist1d.data.make_dataset",
+        "version": importlib.metadata.version("mnist1d"),
+        "num_samples": int(num_samples),
+        "seed": int(seed),
+    }
+
+
+def generation_args(num_samples: int = 50_000, seed: int = 42) -> dict:
+    """The `mnist1d` generator arguments used: package defaults with our sample count and seed."""
+    from mnist1d.data import get_dataset_args
+
+    args = get_dataset_args(as_dict=True)
+    args.pop("url", None)  # never used: we generate, we do not download
+    args["num_samples"] = int(num_samples)
+    args["seed"] = int(seed)
+    return args
+
+
+def _generate(params: dict) -> dict[str, torch.Tensor]:
+    from mnist1d.data import make_dataset
+    from mnist1d.utils import ObjectView
+
+    # make_dataset reseeds the global numpy/python RNGs; keep the caller's streams intact.
+    np_state, py_state = np.random.get_state(), random.getstate()
+    try:
+        data = make_dataset(ObjectView(dict(params)))
+    finally:
+        np.random.set_state(np_state)
+        random.setstate(py_state)
+    return {
+        "x_train": torch.from_numpy(data["x"]).float(),
+        "y_train": torch.from_numpy(data["y"]).long(),
+        "x_test": torch.from_numpy(data["x_test"]).float(),
+        "y_test": torch.from_numpy(data["y_test"]).long(),
+    }
+
+
+def load_data(
+    num_samples: int = 50_000, seed: int = 42, cache: str | os.PathLike | None = None
+) -> tuple[dict[str, torch.Tensor], Path, bool]:
+    """`(tensors, cache_path, generated)`: loads the cached data set or generates and caches it."""
+    if num_samples < 10:
+        raise ConfigError(f"num_samples={num_samples} is too small; allowed: >= 10")
+    key = cache_key(num_samples, seed)
+    path = cache_dir(cache) / f"mnist1d-{params_hash(key)}.pt"
+    if path.exists():
+        try:
+            blob = torch.load(path, weights_only=True)
+            if blob.get("key") == key:
+                return blob["tensors"], path, False
+        except Exception:  # a corrupt or foreign file: regenerate over it
+            pass
+    t0 = time.perf_counter()
+    args = generation_args(num_samples, seed)
+    tensors = _generate(args)
+    seconds = time.perf_counter() - t0
+    atomic_save({"key": key, "args": args, "tensors": tensors, "seconds": seconds}, path)
+    return tensors, path, True
+
+
+class ConvNet(nn.Module):
+    """1-D CNN with BatchNorm: three conv blocks (32-64-64 channels), global pooling, linear head."""
+
+    def __init__(self, width: int = 32, num_classes: int = NUM_CLASSES):
+        super().__init__()
+        w2 = 2 * width
+        self.conv1 = nn.Conv1d(1, width, 5, padding=2, bias=False)
+        self.bn1 = nn.BatchNorm1d(width)
+        self.conv2 = nn.Conv1d(width, w2, 3, stride=2, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm1d(w2)
+        self.conv3 = nn.Conv1d(w2, w2, 3, stride=2, padding=1, bias=False)
+        self.bn3 = nn.BatchNorm1d(w2)
+        # Flattening keeps position (where a digit's strokes are matters in MNIST-1D).
+        self.fc = nn.Linear(w2 * (SEQ_LEN // 4), num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.unsqueeze(1)
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.relu(self.bn2(self.conv2(x)))
+        x = F.relu(self.bn3(self.conv3(x)))
+        return self.fc(x.flatten(1))
+
+
+class MLP(nn.Module):
+    """Two hidden ReLU layers, no normalisation layers."""
+
+    def __init__(self, hidden: int = 256, num_classes: int = NUM_CLASSES):
+        super().__init__()
+        self.fc1 = nn.Linear(SEQ_LEN, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.fc3 = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+class MNIST1D(Task):
+    """10-way classification of length-40 signals; 80/20 train/test split of `num_samples`."""
+
+    name = "mnist1d"
+    models = ("cnn", "mlp")
+    default_model = "cnn"
+    metric = "accuracy"
+    higher_is_better = True
+
+    def __init__(
+        self,
+        num_samples: int = 50_000,
+        seed: int = 42,
+        cache_dir: str | os.PathLike | None = None,
+    ):
+        """`num_samples` and `seed` are the generator's; `cache_dir` overrides the cache location."""
+        tensors, self.cache_path, self.generated = load_data(num_samples, seed, cache_dir)
+        self.train_set = TensorDataset(tensors["x_train"], tensors["y_train"])
+        self.test_set = TensorDataset(tensors["x_test"], tensors["y_test"])
+
+    def build_model(self, name: str | None = None) -> nn.Module:
+        return ConvNet() if self.check_model(name) == "cnn" else MLP()
+
+    def recipe(self, model: str | None = None) -> Recipe:
+        return _RECIPES[self.check_model(model)]
+
+    def loss(self, output, batch):
+        y = batch[1]
+        return F.cross_entropy(output, y, reduction="sum"), y.numel()
+
+    def evaluate(self, model, loader, reduce: Reduce | None = None) -> dict[str, float]:
+        def correct(out, batch):
+            return (out.argmax(-1) == batch[1]).sum()
+
+        sums = eval_sums(self, model, loader, correct)
+        if reduce is not None:
+            sums = reduce(sums)
+        n = max(sums[1].item(), 1.0)
+        return {"loss": sums[0].item() / n, "accuracy": sums[2].item() / n}
