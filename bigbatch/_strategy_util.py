@@ -53,28 +53,31 @@ def _type_name(tp: Any) -> str:
     return tp.__name__
 
 
-def _coerce(key: str, value: Any, tp: Any) -> Any:
-    """``value`` as type ``tp`` (int accepted for float, bool never for numbers)."""
+def _coerce(key: str, value: Any, tp: Any, shown: Any = None) -> Any:
+    """``value`` as type ``tp`` (int accepted for float, bool never for numbers).
+
+    ``shown`` is the declared type named in errors (for an item of a list or an
+    optional value, the whole field's type).
+    """
+    shown = tp if shown is None else shown
     origin, args = get_origin(tp), get_args(tp)
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
         (inner,) = [a for a in args if a is not type(None)]
-        return _coerce(key, value, inner)
+        return _coerce(key, value, inner, shown)
     if origin is tuple:
         if not isinstance(value, list | tuple):
-            _wrong(key, value, tp)
-        return tuple(_coerce(key, v, args[0]) for v in value)
+            _wrong(key, value, shown)
+        return tuple(_coerce(key, v, args[0], shown) for v in value)
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            _wrong(key, value, tp)
+            _wrong(key, value, shown)
         if not math.isfinite(value):
             raise ConfigError(f"{key} must be a finite number, got {value!r}")
         return float(value)
-    if tp is int and isinstance(value, bool):
-        _wrong(key, value, tp)
-    if not isinstance(value, tp):
-        _wrong(key, value, tp)
+    if (tp is int and isinstance(value, bool)) or not isinstance(value, tp):
+        _wrong(key, value, shown)
     return value
 
 
