@@ -173,17 +173,22 @@ def render_overview(title: str, blocks: list[tuple[str, list[tuple[str, Any]]]])
 
 
 def read_toml_source(path_or_text: str | os.PathLike) -> tuple[str, str]:
-    """(name for messages, TOML text) from a path or from TOML text itself."""
-    if isinstance(path_or_text, os.PathLike) or (
-        isinstance(path_or_text, str)
-        and "\n" not in path_or_text
-        and (path_or_text.endswith(".toml") or os.path.isfile(path_or_text))
-    ):
-        path = Path(path_or_text)
+    """(name for messages, TOML text) from a path or from TOML text itself.
+
+    A string is a path when it names an existing file, or when it is one
+    non-empty line with no ``=`` and no ``[`` (which no TOML document lacks).
+    """
+    p = path_or_text
+    is_path = isinstance(p, os.PathLike) or (
+        isinstance(p, str)
+        and (os.path.isfile(p) or (p.strip() and not any(c in p for c in "\n=[")))
+    )
+    if is_path:
+        path = Path(p)
         try:
             return str(path), path.read_text(encoding="utf-8")
         except OSError as e:
             raise ConfigError(f"cannot read strategy file {path}: {e.strerror}") from None
-    if not isinstance(path_or_text, str):
-        raise ConfigError(f"expected a TOML path or text, got {type(path_or_text).__name__}")
-    return "<toml text>", path_or_text
+    if not isinstance(p, str):
+        raise ConfigError(f"expected a TOML path or text, got {type(p).__name__}")
+    return "<toml text>", p

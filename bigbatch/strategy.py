@@ -88,6 +88,20 @@ class BatchPlan:
     """base_lr scaled by the batch rule: the LR after warmup."""
 
 
+# Optimizer fields the chosen type ignores; the overview leaves them out.
+_UNUSED = {"momentum": ("beta1", "beta2", "epsilon"), "adamw": ("momentum", "nesterov")}
+
+
+def _decay_text(b: BatchConfig) -> str:
+    if b.decay == "step":
+        return f"step: x{b.decay_gamma:g} at {', '.join(f'{m:g}' for m in b.decay_milestones)}"
+    if b.decay == "poly":
+        return f"poly power {b.decay_power:g} to {b.final_lr_ratio:g} x peak"
+    if b.decay == "cosine":
+        return f"cosine to {b.final_lr_ratio:g} x peak"
+    return "none"
+
+
 def _off(cls: type) -> Any:
     return field(default_factory=lambda: cls(enable=False))
 
@@ -108,9 +122,7 @@ class Strategy:
     """[gradient_merge]: k micro-steps per optimizer step (off by default)."""
     amp: AmpConfig = _off(AmpConfig)
     """[amp]: mixed precision (off by default)."""
-    recompute: RecomputeConfig = field(
-        default_factory=lambda: RecomputeConfig(enable=False, checkpoints=())
-    )
+    recompute: RecomputeConfig = _off(RecomputeConfig)
     """[recompute]: activation checkpointing (off by default)."""
     data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
     """[data_parallel]: DDP settings (used when world_size > 1)."""
@@ -295,7 +307,8 @@ class Strategy:
             if enable is False or (name == "adaptive" and not section.active):
                 continue
             title = f"[{name}]" if enable is None else f"{name}=True <-> [{name}]"
-            rows = [(k, getattr(section, k)) for k in KEYS[name] if k != "enable"]
+            hidden = _UNUSED.get(section.type, ()) if name == "optimizer" else ()
+            rows = [(k, getattr(section, k)) for k in KEYS[name] if k not in ("enable", *hidden)]
             blocks.append((title, rows))
         blocks.append(
             (
@@ -329,12 +342,20 @@ class Strategy:
             ("scale", f"{plan.scale:g} = {plan.global_batch_size} / {b.base_batch_size}"),
             ("peak_lr", f"{plan.peak_lr:.6g} = {b.base_lr:g} x {b.scaling}({plan.scale:g})"),
             ("warmup", warmup),
-            ("decay", b.decay),
-            ("optimizer", self.optimizer_name()),
+            ("decay", _decay_text(b)),
+            ("optimizer", self._optimizer_text()),
         ]
         if total_steps is not None:
             rows.append(("total_steps", total_steps))
         return rows
+
+    def _optimizer_text(self) -> str:
+        o = self.optimizer
+        if o.type == "momentum":
+            inner = f"momentum {o.momentum:g}" + (", nesterov" if o.nesterov else "")
+        else:
+            inner = f"betas ({o.beta1:g}, {o.beta2:g}), eps {o.epsilon:g}"
+        return f"{self.optimizer_name()} ({inner})"
 
     def optimizer_name(self) -> str:
         """The optimizer the engine builds: ``LARS``, ``LAMB``, ``momentum`` or ``adamw``."""

@@ -516,3 +516,15 @@ def test_overview_default_and_adaptive():
     text = s.overview(2)
     assert "[adaptive]" in text and "recompute=True <-> [recompute]" in text
     assert RecomputeConfig(checkpoints=["a"]).checkpoints == ("a",)
+
+
+def test_from_toml_path_forms(tmp_path, monkeypatch):
+    f = tmp_path / "run.cfg"
+    f.write_text(FLEET_LARS)
+    assert Strategy.from_toml(f).lars.enable
+    assert Strategy.from_toml(str(f)).lars.enable
+    monkeypatch.chdir(tmp_path)
+    assert Strategy.from_toml("run.cfg").lars.enable
+    assert "cannot read strategy file nope.cfg" in error("nope.cfg")
+    assert Strategy.from_toml("") == Strategy()
+    assert Strategy.from_toml("batch.base_lr = 0.2").batch.base_lr == 0.2  # one-line TOML text
