@@ -1,0 +1,7 @@
+"""Layer-wise adaptive optimizers for large batches, and their parameter groups."""
+
+from ._params import param_groups
+from .lamb import LAMB
+from .lars import LARS
+
+__all__ = ["LARS", "LAMB", "param_groups"]

@@ -1,0 +1,129 @@
+"""Parameter handling shared by LARS and LAMB: groups, exclusion, validation.
+
+Per-parameter policy is data: a param group carries ``weight_decay`` and
+``layer_adaptation`` (whether the trust ratio applies). Excluded parameters
+(Fleet's ``exclude_from_weight_decay``) land in groups with no weight decay
+and, unless ``always_adapt``, no trust ratio.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+
+__all__ = ["param_groups", "split_by_exclusion", "check_range"]
+
+
+def check_range(owner: str, name: str, value, low=None, high=None, *,
+                low_open=False, high_open=False) -> None:
+    """Raise ValueError naming the argument, its value and the allowed range."""
+    bad = value is None or (isinstance(value, float) and math.isnan(value))
+    if not bad and low is not None:
+        bad = value <= low if low_open else value < low
+    if not bad and high is not None:
+        bad = value >= high if high_open else value > high
+    if bad:
+        lo = "-inf" if low is None else repr(low)
+        hi = "inf" if high is None else repr(high)
+        interval = f"{'(' if low_open or low is None else '['}{lo}, {hi}{')' if high_open or high is None else ']'}"
+        raise ValueError(f"{owner}: {name}={value!r} is outside the allowed range {interval}")
+
+
+def _is_named(items: list) -> bool:
+    return bool(items) and isinstance(items[0], tuple) and len(items[0]) == 2 \
+        and isinstance(items[0][0], str)
+
+
+def default_no_decay(name: str, param: torch.Tensor) -> bool:
+    """The default exclusion rule: biases and normalisation weights (ndim <= 1)."""
+    return param.ndim <= 1
+
+
+def _matches(name: str, patterns: Sequence[str]) -> bool:
+    return any(p in name for p in patterns)
+
+
+def param_groups(model_or_params, weight_decay: float,
+                 exclude: Sequence[str] | None = None) -> list[dict]:
+    """Split parameters into a decay group and a no-decay group.
+
+    ``model_or_params`` is an ``nn.Module`` or an iterable of ``(name, param)``.
+    A parameter is excluded when its name contains one of the ``exclude``
+    substrings (Fleet's ``exclude_from_weight_decay``, e.g. ``("bn", "bias")``);
+    with ``exclude=None`` the default rule applies: every tensor with
+    ``ndim <= 1`` (biases and normalisation weights) is excluded.
+
+    Excluded parameters get ``weight_decay=0`` and ``layer_adaptation=False``
+    (no trust ratio in LARS / LAMB, so they take a plain momentum or Adam step,
+    unless the optimizer has ``always_adapt=True``). Plain torch optimizers ignore the
+    ``layer_adaptation`` and ``param_names`` keys, so the same groups serve an
+    AdamW or SGD baseline. Empty groups are dropped.
+    """
+    named = list(model_or_params.named_parameters()) if isinstance(
+        model_or_params, torch.nn.Module) else list(model_or_params)
+    if named and not _is_named(named):
+        raise ValueError("param_groups: expected a module or (name, parameter) pairs")
+    decay, no_decay = [], []
+    for name, p in named:
+        if not p.requires_grad:
+            continue
+        excluded = default_no_decay(name, p) if exclude is None else _matches(name, exclude)
+        (no_decay if excluded else decay).append((name, p))
+    groups = []
+    if decay:
+        groups.append({"params": [p for _, p in decay], "param_names": [n for n, _ in decay],
+                       "weight_decay": weight_decay, "layer_adaptation": True})
+    if no_decay:
+        groups.append({"params": [p for _, p in no_decay],
+                       "param_names": [n for n, _ in no_decay],
+                       "weight_decay": 0.0, "layer_adaptation": False})
+    return groups
+
+
+def split_by_exclusion(owner: str, params: Iterable, exclude: Sequence[str]) -> list[dict]:
+    """Normalise an optimizer's ``params`` argument into param groups.
+
+    Accepts ``model.named_parameters()``, plain parameters, or group dicts
+    (whose ``params`` may themselves be named). Names are kept in each group's
+    ``param_names`` for logging. With ``exclude``, every group is split into
+    its kept part and an excluded part (no weight decay, no trust ratio).
+    """
+    if isinstance(params, torch.Tensor):
+        raise TypeError(f"{owner}: params should be an iterable of tensors or groups, "
+                        "got a single tensor")
+    items = list(params)
+    if not items:
+        raise ValueError(f"{owner}: got an empty parameter list")
+    groups = [dict(g) for g in items] if isinstance(items[0], dict) else [{"params": items}]
+    out = []
+    for group in groups:
+        entries = list(group["params"]) if not isinstance(group["params"], torch.Tensor) \
+            else [group["params"]]
+        if _is_named(entries):
+            names = [n for n, _ in entries]
+            tensors = [p for _, p in entries]
+        else:
+            names = group.get("param_names")
+            tensors = entries
+        if exclude and names is None:
+            raise ValueError(f"{owner}: exclude={tuple(exclude)!r} needs parameter names; "
+                             "pass model.named_parameters() instead of model.parameters()")
+        base = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        if not exclude:
+            out.append({**base, "params": tensors, "param_names": names})
+            continue
+        kept = [(n, p) for n, p in zip(names, tensors, strict=True) if not _matches(n, exclude)]
+        dropped = [(n, p) for n, p in zip(names, tensors, strict=True) if _matches(n, exclude)]
+        if kept:
+            out.append({**base, "params": [p for _, p in kept],
+                        "param_names": [n for n, _ in kept]})
+        if dropped:
+            out.append({**base, "params": [p for _, p in dropped],
+                        "param_names": [n for n, _ in dropped],
+                        "weight_decay": 0.0, "layer_adaptation": False})
+    for g in out:
+        if g["param_names"] is None:
+            del g["param_names"]
+    return out
