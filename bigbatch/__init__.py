@@ -1,5 +1,29 @@
-"""bigbatch: large-batch distributed training for PyTorch that keeps accuracy."""
+"""bigbatch: large-batch distributed training for PyTorch that keeps accuracy.
+
+The pieces compose but stand alone: ``bigbatch.LAMB`` is a plain
+``torch.optim.Optimizer``; ``bigbatch.Strategy`` is the one typed config
+(Fleet-style TOML sections); ``bigbatch.prepare`` applies a Strategy to your
+own training loop.
+"""
+
+from . import adascale, adasum, gns, scaling, schedules
+from .adascale import AdaScale
+from .engine import Run, prepare
+from .errors import ConfigError
+from .gns import GradientNoiseScale
+from .optim import LAMB, LARS, param_groups
+from .scaling import scale_lr
+from .schedules import Schedule
+from .strategy import BatchPlan, Strategy
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "LARS", "LAMB", "param_groups",
+    "Strategy", "BatchPlan", "Schedule", "scale_lr",
+    "prepare", "Run",
+    "GradientNoiseScale", "AdaScale",
+    "ConfigError",
+    "adascale", "adasum", "gns", "scaling", "schedules",
+    "__version__",
+]
