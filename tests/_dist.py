@@ -1,0 +1,93 @@
+"""Run a function in N CPU processes joined by a gloo group on 127.0.0.1.
+
+    results = run_workers(fn, world_size=2, args=(...), timeout=60)
+
+`fn(*args)` runs in each spawned process with the torchrun environment set
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and one intra-op
+thread; whoever needs the group creates it (`bigbatch.distributed.init_distributed`
+or `bigbatch.engine.prepare`), or pass `init_group=True` to have it made here.
+Each process's return value comes back through `torch.save` files (tensors
+included), ordered by rank. A failure in any process raises with its
+traceback; a hang is killed after `timeout` seconds.
+
+`fn` must be importable by name (a module-level function of a test module).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn: Callable, args: tuple, rank: int, world_size: int, port: int, out_dir: str,
+           init_group: bool) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    try:
+        if init_group:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(*args)
+        torch.save({"ok": True, "result": result}, path)
+    except BaseException:
+        torch.save({"ok": False, "error": traceback.format_exc()}, path)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(fn: Callable, world_size: int = 2, args: tuple = (), timeout: float = 60.0,
+                init_group: bool = False) -> list[Any]:
+    """Run `fn(*args)` on `world_size` gloo workers; return their results by rank."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [
+            ctx.Process(target=_child, args=(fn, args, r, world_size, port, out_dir, init_group))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        results, errors = [], []
+        for r in range(world_size):
+            path = os.path.join(out_dir, f"rank{r}.pt")
+            if not os.path.exists(path):
+                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode})")
+                continue
+            got = torch.load(path, weights_only=False)
+            if got["ok"]:
+                results.append(got["result"])
+            else:
+                errors.append(f"rank {r}:\n{got['error']}")
+        if hung:
+            errors.insert(0, f"ranks {hung} still running after {timeout:.0f} s: killed")
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return results
