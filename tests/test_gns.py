@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+import multiprocessing
 import socket
 import time
 from datetime import timedelta
@@ -273,8 +274,13 @@ def _free_port() -> int:
 
 
 def _spawn(fn, world: int, timeout: float = 90.0) -> None:
+    # A fork server imports torch once (and what DDP imports lazily: torch._dynamo); every
+    # worker process is then a cheap fork of it.
+    multiprocessing.set_forkserver_preload(
+        ["torch", "torch.distributed", "torch._dynamo", "pytest", "bigbatch.gns"]
+    )
     ctx = mp.start_processes(
-        fn, args=(world, _free_port()), nprocs=world, join=False, start_method="spawn"
+        fn, args=(world, _free_port()), nprocs=world, join=False, start_method="forkserver"
     )
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=1.0):
