@@ -7,6 +7,7 @@ here runs per step except `_engine_comm_hook`.
 from __future__ import annotations
 
 import difflib
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -165,7 +166,7 @@ def _engine_comm_hook(state, bucket):  # DDP inspects annotations; postponed one
 
 def _adasum_hook() -> tuple[Callable, Any]:
     try:
-        from bigbatch import adasum
+        adasum = importlib.import_module("bigbatch.adasum")
     except ImportError:
         raise ConfigError(
             "data_parallel.reduce='adasum' needs bigbatch.adasum, which is not available; "

@@ -48,7 +48,6 @@ micro-steps. Use a model without BatchNorm where exact big-batch equivalence mat
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -64,52 +63,11 @@ from bigbatch._engine_setup import (
     check_reduce,
     wrap_data_parallel,
 )
+from bigbatch._grad_info import GradInfo, small_batch_sq_norm, sq_norm
 from bigbatch.distributed import World, all_reduce_sum, init_distributed, teardown
 from bigbatch.errors import ConfigError
 
 __all__ = ["GradInfo", "MicroStep", "Run", "prepare"]
-
-
-class GradInfo:
-    """What a gradient hook sees at one optimizer step: unscaled, reduced gradients.
-
-    Hooks run after unscaling and before the optimizer, only on steps that are
-    taken (not on fp16 overflow steps). Everything here is scalars or references.
-    """
-
-    def __init__(self, run: Run, params: list[torch.Tensor], local_sq_norm: torch.Tensor | None,
-                 local_batch: float | None, global_batch: float) -> None:
-        self.run = run
-        self.step = run.step
-        """Optimizer step about to be taken (0-based)."""
-        self.params = params
-        """Parameters whose `.grad` the optimizer will use (unscaled, all-reduced)."""
-        self.local_sq_norm = local_sq_norm
-        """Squared norm of a small-batch gradient, in the optimizer gradient's units.
-        Under DDP: each worker's merged gradient before the all-reduce, |g_w|^2
-        averaged over workers. One worker with k > 1: the first micro-step's
-        gradient. None otherwise, or when measurement is off (`prepare(local_grad_norm=)`)."""
-        self.local_batch = local_batch
-        """Items behind the small-batch gradient (mean over workers); None with no norm."""
-        self.global_batch = global_batch
-        """Items behind the reduced gradient."""
-        self._global_sq: torch.Tensor | None = None
-
-    def grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.params if p.grad is not None]
-
-    def global_sq_norm(self) -> torch.Tensor:
-        """|g|^2 of the reduced gradient (computed once, a 0-d tensor)."""
-        if self._global_sq is None:
-            self._global_sq = _sq_norm(self.grads())
-        return self._global_sq
-
-
-def _sq_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    if not grads:
-        return torch.zeros(())
-    norms = torch._foreach_norm(grads)
-    return torch.linalg.vector_norm(torch.stack(norms)).square()
 
 
 class MicroStep:
@@ -187,7 +145,7 @@ class MicroStep:
             self.stepped = not self.skipped
         else:
             if run.micro == 0 and run._measure_first:
-                run._first_sq = _sq_norm([p.grad for p in run._params if p.grad is not None])
+                run._first_sq = sq_norm([p.grad for p in run._params if p.grad is not None])
                 run._first_count = run._count
             run.micro += 1
         return False
@@ -248,10 +206,6 @@ class Run:
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._measure_first = measure_first and self.k_steps > 1
         self._grad_norm: torch.Tensor | None = None
-        self._mean_mult = 1.0 / self.k_steps if (self.avg and self.k_steps > 1) else 1.0
-        # Summed losses are scaled by a constant before backward so fp16 gradients keep
-        # mean-loss magnitudes; the exact 1/total_count is applied at the step.
-        self._count_mult = 1.0 / max(1, int(plan.micro_batch_size))
         self._reset_window()
         if track_stats and hasattr(optimizer, "track_trust_ratios"):
             optimizer.track_trust_ratios = True
@@ -262,6 +216,18 @@ class Run:
     def micro_step(self) -> MicroStep:
         """Context for one micro-step's forward and backward (see the module example)."""
         return MicroStep(self)
+
+    # Read per micro-step rather than cached so that changing `k_steps` or `plan`
+    # between optimizer steps (adaptive batch size) takes effect at once.
+    @property
+    def _mean_mult(self) -> float:
+        return 1.0 / self.k_steps if self.avg else 1.0
+
+    @property
+    def _count_mult(self) -> float:
+        # Summed losses are scaled by a constant before backward so fp16 gradients keep
+        # mean-loss magnitudes; the exact 1/total_count is applied at the step.
+        return 1.0 / self.plan.micro_batch_size
 
     def lr_at(self, progress: float) -> float:
         """Learning rate the optimizer gets at schedule position `progress`."""
@@ -304,7 +270,7 @@ class Run:
             if self.grad_hooks:
                 self._run_hooks(local_raw, local_count, total_count)
             if self.track_grad_norm:
-                self._grad_norm = _sq_norm([p.grad for p in self._params if p.grad is not None]).sqrt()
+                self._grad_norm = sq_norm([p.grad for p in self._params if p.grad is not None]).sqrt()
             self.last_lr = self.lr_at(self.progress)
             self._set_lr(self.last_lr)
             self.optimizer.step()
@@ -321,32 +287,8 @@ class Run:
 
     def _run_hooks(self, local_raw: torch.Tensor | None, local_count: float,
                    total_count: float) -> None:
-        W, k = self.world.world_size, self.k_steps
-        scale = self.scaler.scale_value if self.scaler is not None else 1.0
-        # Small-batch norms are reported in the optimizer's gradient units: the mean
-        # gradient of their items, times k when avg=false (as the merged gradient is).
-        opt_factor = 1.0 if self.avg else float(k)
-        count_mode = self._mode == "count"
-        global_batch = total_count if count_mode else float(self.plan.micro_batch_size * k * W)
-        local_sq, local_batch = None, None
-        if local_raw is not None:  # DDP: each worker's merged gradient before the all-reduce
-            if count_mode:
-                unit = scale * self._count_mult * local_count / opt_factor
-                local_batch = total_count / W
-            else:
-                unit = scale
-                local_batch = float(self.plan.micro_batch_size * k)
-            local_sq = local_raw / (unit * unit)
-            all_reduce_sum(local_sq)
-            local_sq = local_sq / W
-        elif self._first_sq is not None:  # one worker with merge: the first micro-step
-            if count_mode:
-                unit = scale * self._count_mult * self._first_count / opt_factor
-                local_batch = self._first_count
-            else:
-                unit = scale * self._mean_mult / opt_factor
-                local_batch = float(self.plan.micro_batch_size)
-            local_sq = self._first_sq / (unit * unit)
+        local_sq, local_batch, global_batch = small_batch_sq_norm(self, local_raw, local_count,
+                                                                  total_count)
         info = GradInfo(self, self._params, local_sq, local_batch, global_batch)
         for hook in self.grad_hooks:
             hook(info)
@@ -459,6 +401,13 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
     check_reduce(getattr(dp, "reduce", "mean"))
     amp = strategy.amp
     autocast_dtype = amp_dtype(amp.dtype) if amp.enable else None
+    if dp.sync_batch_norm and world.is_distributed:
+        if world.device.type != "cuda":
+            raise ConfigError(
+                f"data_parallel.sync_batch_norm=true needs CUDA devices (torch's SyncBatchNorm "
+                f"is GPU-only); this worker runs on {world.device.type}"
+            )
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     checkpoints = list(strategy.recompute.checkpoints) if strategy.recompute.enable else []
     if checkpoints:
         apply_recompute(model, checkpoints)  # validates names before any group exists
@@ -470,8 +419,6 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
     owns_group = world.is_distributed and not dist.is_initialized()
     init_distributed(dp, world)
     model.to(world.device)
-    if dp.sync_batch_norm and world.is_distributed:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     optimizer = build_optimizer(model, strategy, lr=schedule.lr(0))
     wrapped, comm = model, None
     if world.is_distributed:
@@ -479,8 +426,6 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
     scaler = None
     if autocast_dtype == torch.float16:
         scaler = LossScaler.from_config(amp, world.device.type)
-    if not math.isfinite(schedule.lr(0)):
-        raise ConfigError(f"learning rate at step 0 is {schedule.lr(0)}: check batch.base_lr")
     return Run(module=model, model=wrapped, optimizer=optimizer, schedule=schedule, world=world,
                plan=plan, strategy=strategy, scaler=scaler, autocast_dtype=autocast_dtype,
                avg=strategy.gradient_merge.avg, comm=comm, owns_group=owns_group,

@@ -375,6 +375,8 @@ def test_bad_configs_are_one_line_errors(monkeypatch):
                                    total_steps=3, world=ONE), "adasum")
     one_line_error(lambda: prepare(make_model(), strategy(batch={"warmup_steps": 0, "warmup_epochs": 1.0}),
                                    total_steps=3, world=ONE), "steps_per_epoch")
+    one_line_error(lambda: prepare(make_model(), strategy(data_parallel={"sync_batch_norm": True}),
+                                   total_steps=3, world=World(rank=0, world_size=2)), "sync_batch_norm")
     run = prepare(make_model(), strategy(micro=64, k=4), total_steps=3, world=ONE)
     x, y = make_data(steps=1)
 

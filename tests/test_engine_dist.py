@@ -93,6 +93,14 @@ def _worker() -> dict:
     _feed(run, x[:1], y[:1], 64, rank)
     out["norms"] = norms[0]
     out["comm_calls"] = run._comm.calls
+
+    # data_parallel.reduce = "adasum": bigbatch.adasum's DDP hook combines the gradients
+    run = prepare(make_model(), strategy("sgd", micro=128, data_parallel={"reduce": "adasum"}),
+                  total_steps=STEPS)
+    grads = []
+    run.grad_hooks.append(lambda info: grads.append([g.clone() for g in info.grads()]))
+    _feed(run, x[:1], y[:1], 128, rank)
+    out["adasum"] = grads[0]
     return out
 
 
@@ -157,3 +165,19 @@ def test_local_and_global_grad_norms(results):
         torch.testing.assert_close(global_sq, merged)
         assert (local_b, global_b) == (128, 256)
         assert results[r]["comm_calls"] == 1  # one bucket, one sync per optimizer step
+
+
+def test_adasum_reduce_uses_the_adasum_hook(results):
+    from bigbatch.adasum import adasum_reduce
+
+    x, y = make_data(steps=STEPS)
+    local = []
+    for r in range(W):
+        model = make_model()
+        F.cross_entropy(model(x[0, r * 128:(r + 1) * 128]), y[0, r * 128:(r + 1) * 128]).backward()
+        local.append([p.grad for p in model.parameters()])
+    expected = [adasum_reduce([a, b]) for a, b in zip(*local, strict=True)]
+    mean = [(a + b) / 2 for a, b in zip(*local, strict=True)]
+    for r in range(W):
+        assert_same(results[r]["adasum"], expected)
+    assert not torch.allclose(expected[0], mean[0])

@@ -1,0 +1,99 @@
+"""What gradient hooks see at each optimizer step, and the norms behind it.
+
+Gradient statistics (noise scale, AdaScale) need, per optimizer step, the
+squared norm of a small-batch gradient and of the big-batch one. Both are
+scalars: the small one is measured in DDP's comm hook before the all-reduce
+(or, on one worker with gradient merge, after the first micro-step), the big
+one from the reduced gradients. No gradient is copied or sent twice.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from bigbatch.distributed import all_reduce_sum
+
+if TYPE_CHECKING:
+    from bigbatch.engine import Run
+
+__all__ = ["GradInfo", "small_batch_sq_norm", "sq_norm"]
+
+
+def sq_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Squared L2 norm of a list of tensors, as one 0-d tensor (no host sync)."""
+    if not grads:
+        return torch.zeros(())
+    norms = torch._foreach_norm(grads)
+    return torch.linalg.vector_norm(torch.stack(norms)).square()
+
+
+class GradInfo:
+    """What a gradient hook sees at one optimizer step: unscaled, reduced gradients.
+
+    Hooks run after unscaling and before the optimizer, only on steps that are
+    taken (not on fp16 overflow steps). Everything here is scalars or references.
+    """
+
+    def __init__(self, run: Run, params: list[torch.Tensor], local_sq_norm: torch.Tensor | None,
+                 local_batch: float | None, global_batch: float) -> None:
+        self.run = run
+        self.step = run.step
+        """Optimizer step about to be taken (0-based)."""
+        self.params = params
+        """Parameters whose `.grad` the optimizer will use (unscaled, all-reduced)."""
+        self.local_sq_norm = local_sq_norm
+        """Squared norm of a small-batch gradient, in the optimizer gradient's units.
+        Under DDP: each worker's merged gradient before the all-reduce, |g_w|^2
+        averaged over workers. One worker with k > 1: the first micro-step's
+        gradient. None otherwise, or when measurement is off (`prepare(local_grad_norm=)`)."""
+        self.local_batch = local_batch
+        """Items behind the small-batch gradient (mean over workers); None with no norm."""
+        self.global_batch = global_batch
+        """Items behind the reduced gradient."""
+        self._global_sq: torch.Tensor | None = None
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def global_sq_norm(self) -> torch.Tensor:
+        """|g|^2 of the reduced gradient (computed once, a 0-d tensor)."""
+        if self._global_sq is None:
+            self._global_sq = sq_norm(self.grads())
+        return self._global_sq
+
+
+def small_batch_sq_norm(run: Run, local_raw: torch.Tensor | None, local_count: float,
+                        total_count: float) -> tuple[torch.Tensor | None, float | None, float]:
+    """(small-batch |g|^2, its item count, the global item count) for this step.
+
+    `local_raw` is the comm hook's sum of squared bucket norms (still loss-scaled
+    and carrying the engine's loss multipliers). Small-batch norms are reported
+    in the optimizer's gradient units: the mean gradient of their items, times k
+    when avg=false (as the merged gradient is).
+    """
+    W, k = run.world.world_size, run.k_steps
+    scale = run.scaler.scale_value if run.scaler is not None else 1.0
+    opt_factor = 1.0 if run.avg else float(k)
+    count_mode = run._mode == "count"
+    global_batch = total_count if count_mode else float(run.plan.micro_batch_size * k * W)
+    if local_raw is not None:  # DDP: each worker's merged gradient before the all-reduce
+        if count_mode:
+            unit = scale * run._count_mult * local_count / opt_factor
+            local_batch = total_count / W
+        else:
+            unit = scale
+            local_batch = float(run.plan.micro_batch_size * k)
+        local_sq = local_raw / (unit * unit)
+        all_reduce_sum(local_sq)
+        return local_sq / W, local_batch, global_batch
+    if run._first_sq is not None:  # one worker with merge: the first micro-step
+        if count_mode:
+            unit = scale * run._count_mult * run._first_count / opt_factor
+            local_batch = run._first_count
+        else:
+            unit = scale * run._mean_mult / opt_factor
+            local_batch = float(run.plan.micro_batch_size)
+        return run._first_sq / (unit * unit), local_batch, global_batch
+    return None, None, global_batch
