@@ -53,8 +53,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             if any(p.grad.is_sparse for p in params):
                 raise RuntimeError(f"{self._name} does not support sparse gradients")
             self._group_step(group, params, self._use_fast(params), ratios)
-        if ratios is not None:
-            self._last_ratios = ratios
+        self._last_ratios = ratios
         return loss
 
     def _before_step(self) -> None:

@@ -97,7 +97,7 @@ class LARS(LayerwiseOptimizer):
             if local == 0.0:
                 # lr = 0 (e.g. warmup from zero): v = mu * v, still in units of prev.
                 b.mul_(mu)
-                w.sub_(b, alpha=prev)
+                w.sub_(b, alpha=prev * mu if group["nesterov"] else prev)
                 continue
             carry = mu * prev / local
             if fast and not group["nesterov"]:
