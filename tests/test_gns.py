@@ -13,6 +13,7 @@ vanishing cross term, ``E[g g^T] = (|u|^2 + s^2) I + 2 u u^T``, hence
 from __future__ import annotations
 
 import copy
+import io
 import math
 import multiprocessing
 import socket
@@ -66,6 +67,14 @@ def _draws(u, reps, workers, local, seed):
 def _mean_and_se(values: list[float]) -> tuple[float, float]:
     t = torch.tensor(values, dtype=torch.float64)
     return float(t.mean()), float(t.std() / math.sqrt(len(values)))
+
+
+def _through_torch_save(state):
+    """Checkpoints go through torch.save / torch.load(weights_only=True): plain types only."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
 
 
 def test_closed_form_matches_monte_carlo_covariance():
@@ -171,7 +180,7 @@ def test_tracker_state_dict_round_trip():
     for i in range(20):
         a.update(small[i], big[i], 4, 8)
     b = GradientNoiseScale()
-    b.load_state_dict(a.state_dict())
+    b.load_state_dict(_through_torch_save(a.state_dict()))
     assert b.biased and b.steps == 20 and b.window == 10
     for i in range(20, 40):
         a.update(small[i], big[i], 4, 8)
