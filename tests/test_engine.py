@@ -346,12 +346,18 @@ def test_fp16_scaler_state_round_trips():
 
 def test_stats_with_tracking():
     x, y = make_data(steps=2)
-    run = train(make_model(), strategy("lars"), x, y, micro=256, total_steps=2, track_stats=True)
+    run = prepare(make_model(), strategy("lars"), total_steps=2, world=ONE, track_stats=True)
+    norms = []
+    run.grad_hooks.append(lambda info: norms.append(float(info.global_sq_norm().sqrt())))
+    for step in range(2):
+        with run.micro_step() as ms:
+            ms.backward(F.cross_entropy(run.model(x[step]), y[step]))
     st = run.stats
     assert {"lr", "loss_scale", "skipped_steps", "step", "grad_norm"} <= set(st)
-    assert st["lr"] == pytest.approx(run.schedule.lr(1))
-    if hasattr(run.optimizer, "track_trust_ratios"):
-        assert st["trust_ratio_min"] <= st["trust_ratio_median"] <= st["trust_ratio_max"]
+    assert st["lr"] == pytest.approx(run.schedule.lr(1)) and st["step"] == 2
+    assert st["grad_norm"] == pytest.approx(norms[-1], rel=1e-12)
+    assert 0 < st["trust_ratio_min"] <= st["trust_ratio_median"] <= st["trust_ratio_max"]
+    assert "grad_norm" not in prepare(make_model(), strategy(), total_steps=2, world=ONE).stats
 
 
 # ---------------------------------------------------------------- errors
