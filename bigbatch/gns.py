@@ -267,7 +267,7 @@ def adam_sq_norm(
     plain: list[torch.Tensor] = []
     gs: list[torch.Tensor] = []
     vs: list[torch.Tensor] = []
-    root_bc: list[float] = []
+    root_bc: list[Any] = []  # sqrt(1 - beta2^t): floats, or 0-d tensors for tensor steps
     epss: list[float] = []
     for p, g in zip(params, grads, strict=True):
         if g is None:
@@ -278,19 +278,26 @@ def adam_sq_norm(
         if v is None or group is None:
             plain.append(g)
             continue
-        beta2 = float(group.get("betas", (0.9, 0.999))[1])
-        step = float(state.get("step", 0))
-        bc2 = 1.0 - beta2**step if step > 0 else 1.0
-        gs.append(g)
+        gs.append(g.float())
         vs.append(v)
-        root_bc.append(math.sqrt(bc2))
         epss.append(float(group.get("eps", 1e-8)))
+        beta2 = float(group.get("betas", (0.9, 0.999))[1])
+        step = state.get("step", 0) if group.get("bias_correction", True) else 0
+        if isinstance(step, torch.Tensor):  # may live on the GPU: never read it on the host
+            bc2 = 1.0 - torch.pow(beta2, step.to(v.device, torch.float32))
+            root_bc.append(torch.where(bc2 > 0, bc2.clamp_min(0).sqrt(), 1.0))
+        else:
+            root_bc.append(math.sqrt(1.0 - beta2**step) if step > 0 else 1.0)
     total = sq_norm(plain)
     if gs:
+        if any(isinstance(r, torch.Tensor) for r in root_bc):
+            root_bc = [
+                torch.as_tensor(r, device=v.device) for r, v in zip(root_bc, vs, strict=True)
+            ]
         denom = torch._foreach_sqrt(vs)
         torch._foreach_div_(denom, root_bc)
         torch._foreach_add_(denom, epss)
-        pre = sq_norm(torch._foreach_div([g.float() for g in gs], denom))
+        pre = sq_norm(torch._foreach_div(gs, denom))
         total = total.to(pre.device) + pre
     return total
 

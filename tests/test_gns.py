@@ -234,6 +234,34 @@ def test_adam_sq_norm_matches_manual():
     assert float(adam_sq_norm(fresh, params, grads)) == pytest.approx(float(sq_norm(grads)))
 
 
+def test_adam_sq_norm_reads_lamb_state_and_bias_correction_flag():
+    from bigbatch.optim import LAMB
+
+    torch.manual_seed(1)
+    model = torch.nn.Linear(3, 2)
+    params = list(model.parameters())
+    opt = LAMB(params, lr=1e-2, betas=(0.8, 0.9), eps=1e-4)
+    x = torch.randn(8, 3)
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    grads = [p.grad for p in params]
+
+    def manual(correct: bool) -> float:
+        total = 0.0
+        for p in params:
+            v = opt.state[p]["exp_avg_sq"]
+            if correct:
+                v = v / (1 - 0.9 ** float(opt.state[p]["step"]))
+            total += float((p.grad / (v.sqrt() + 1e-4)).square().sum())
+        return total
+
+    assert float(adam_sq_norm(opt, params, grads)) == pytest.approx(manual(True), rel=1e-5)
+    opt.param_groups[0]["bias_correction"] = False
+    assert float(adam_sq_norm(opt, params, grads)) == pytest.approx(manual(False), rel=1e-5)
+
+
 def test_consecutive_steps_pairs():
     pairer = ConsecutiveSteps()
     g1 = [torch.tensor([1.0, 2.0]), torch.tensor([3.0])]
