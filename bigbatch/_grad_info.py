@@ -9,7 +9,7 @@ one from the reduced gradients. No gradient is copied or sent twice.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -64,8 +64,8 @@ class GradInfo:
         return self._global_sq
 
 
-def small_batch_sq_norm(run: Run, local_raw: torch.Tensor | None, local_count: float,
-                        total_count: float) -> tuple[torch.Tensor | None, float | None, float]:
+def small_batch_sq_norm(run: Run, local_raw: torch.Tensor | None, local_count: Any,
+                        total_count: Any) -> tuple[torch.Tensor | None, float | None, float]:
     """(small-batch |g|^2, its item count, the global item count) for this step.
 
     `local_raw` is the comm hook's sum of squared bucket norms (still loss-scaled
@@ -77,6 +77,8 @@ def small_batch_sq_norm(run: Run, local_raw: torch.Tensor | None, local_count: f
     scale = run.scaler.scale_value if run.scaler is not None else 1.0
     opt_factor = 1.0 if run.avg else float(k)
     count_mode = run._mode == "count"
+    if count_mode:
+        local_count, total_count = float(local_count), float(total_count)
     global_batch = total_count if count_mode else float(run.plan.micro_batch_size * k * W)
     if local_raw is not None:  # DDP: each worker's merged gradient before the all-reduce
         if count_mode:
@@ -90,8 +92,9 @@ def small_batch_sq_norm(run: Run, local_raw: torch.Tensor | None, local_count: f
         return local_sq / W, local_batch, global_batch
     if run._first_sq is not None:  # one worker with merge: the first micro-step
         if count_mode:
-            unit = scale * run._count_mult * run._first_count / opt_factor
-            local_batch = run._first_count
+            first = float(run._first_count)
+            unit = scale * run._count_mult * first / opt_factor
+            local_batch = first
         else:
             unit = scale * run._mean_mult / opt_factor
             local_batch = float(run.plan.micro_batch_size)

@@ -116,11 +116,15 @@ class MicroStep:
             if run._mode == "mean":
                 raise ConfigError("ms.backward(): mixing count= and mean losses within one optimizer step")
             run._mode = "count"
-            run._count += float(count)
+            # A tensor count stays on its device: no host sync per micro-step.
+            if isinstance(count, torch.Tensor):
+                count = count.detach().to(torch.float64)
+            run._count = run._count + count
             mult = run._count_mult
             if self.is_last and run.world.is_distributed:
                 # Started before backward so it overlaps with the gradient all-reduce.
-                run._count_tensor = torch.tensor(run._count, dtype=torch.float64, device=run.world.device)
+                total = torch.as_tensor(run._count, dtype=torch.float64, device=run.world.device)
+                run._count_tensor = total.clone()
                 run._count_work = all_reduce_sum(run._count_tensor, async_op=True)
         if mult != 1.0:
             loss = loss * mult
@@ -255,9 +259,10 @@ class Run:
             if self._count_work is not None:
                 self._count_work.wait()
             if self._count_tensor is not None:
-                total_count = float(self._count_tensor.item())
-            if total_count <= 0:
+                total_count = self._count_tensor
+            if not isinstance(total_count, torch.Tensor) and total_count <= 0:
                 raise ValueError("ms.backward(count=...): the total count over the optimizer step is 0")
+            # A tensor factor keeps this free of host syncs (a zero total gives inf/nan grads).
             factor = W / (self._count_mult * total_count)
             if not self.avg:
                 factor *= self.k_steps

@@ -129,7 +129,7 @@ def test_engine_k1_matches_hand_written_loop():
     assert_same(params_of(run.module), params_of(model))
 
 
-def token_train(model, s, x, y, mask, micro, mean=False):
+def token_train(model, s, x, y, mask, micro, mean=False, int_count=False):
     run = prepare(model, s, total_steps=3, world=ONE)
     for step in range(x.shape[0]):
         for i in range(0, x.shape[1], micro):
@@ -140,16 +140,18 @@ def token_train(model, s, x, y, mask, micro, mean=False):
                 if mean:
                     ms.backward(loss / m.sum())
                 else:
-                    ms.backward(loss, count=m.sum())
+                    ms.backward(loss, count=int(m.sum()) if int_count else m.sum())
     return run
 
 
-def test_token_loss_with_count_equals_big_batch():
+@pytest.mark.parametrize("int_count", [False, True])
+def test_token_loss_with_count_equals_big_batch(int_count):
     x, y, mask = make_tokens(steps=3)
     counts = mask[0].reshape(4, 64, T).sum(dim=(1, 2))
     assert len(set(counts.tolist())) > 1  # micro-batches really differ in item count
     big = token_train(make_model(), strategy("sgd"), x, y, mask, micro=256, mean=True)
-    merged = token_train(make_model(), strategy("sgd", micro=64, k=4), x, y, mask, micro=64)
+    merged = token_train(make_model(), strategy("sgd", micro=64, k=4), x, y, mask, micro=64,
+                         int_count=int_count)
     assert_same(params_of(merged.module), params_of(big.module))
     # a naive mean of per-micro-batch means is measurably different
     naive = token_train(make_model(), strategy("sgd", micro=64, k=4), x, y, mask, micro=64, mean=True)
@@ -193,6 +195,27 @@ def test_local_norm_first_micro_step_on_one_worker():
     torch.testing.assert_close(local_sq, first)
     assert (local_b, global_b) == (64, 256)
     assert float(global_sq) < float(local_sq)  # averaging 4x the items shrinks the noise
+
+
+def test_local_norm_first_micro_step_with_count():
+    x, y, mask = make_tokens(steps=1)
+    run = prepare(make_model(), strategy("sgd", micro=64, k=4), total_steps=3, world=ONE,
+                  local_grad_norm=True)
+    infos = []
+    run.grad_hooks.append(lambda info: infos.append((info.local_sq_norm, info.local_batch,
+                                                      info.global_batch)))
+    ref = make_model()
+    m = mask[0, :64]
+    (F.cross_entropy(ref(x[0, :64])[m], y[0, :64][m], reduction="sum") / m.sum()).backward()
+    first = sum(p.grad.square().sum() for p in ref.parameters())
+    for i in range(0, 256, 64):
+        m = mask[0, i:i + 64]
+        with run.micro_step() as ms:
+            loss = F.cross_entropy(run.model(x[0, i:i + 64])[m], y[0, i:i + 64][m], reduction="sum")
+            ms.backward(loss, count=m.sum())
+    local_sq, local_b, global_b = infos[0]
+    torch.testing.assert_close(local_sq, first)
+    assert (local_b, global_b) == (float(mask[0, :64].sum()), float(mask[0].sum()))
 
 
 # ---------------------------------------------------------------- learning rate
