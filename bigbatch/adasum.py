@@ -89,7 +89,7 @@ def _adasum_flat(
         return flat
 
     def peer(r: int) -> int:
-        return r if group is None else dist.get_global_rank(group, r)
+        return r if group is None or group is dist.group.WORLD else dist.get_global_rank(group, r)
 
     def exchange(mine: torch.Tensor, r: int) -> torch.Tensor:
         theirs = torch.empty_like(mine)
