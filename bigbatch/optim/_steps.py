@@ -52,4 +52,9 @@ def global_grad_norm(grads: list[torch.Tensor]) -> float:
 
 def norms(*tensors: torch.Tensor) -> list[float]:
     """L2 norms of several tensors as floats, with one host transfer."""
-    return torch.stack([torch.linalg.vector_norm(t) for t in tensors]).tolist()
+    return norm_list(list(tensors))
+
+
+def norm_list(tensors: list[torch.Tensor]) -> list[float]:
+    """L2 norm of each tensor as floats: one multi-tensor reduction, one host transfer."""
+    return torch.stack(torch._foreach_norm(tensors)).tolist()
