@@ -1,8 +1,270 @@
-"""Command-line entry point: `bigbatch train | study | gns`."""
+"""Command-line entry point: `bigbatch train ...`.
 
+User mistakes (bad flags, a missing config file, an unknown task, a resume
+directory without a checkpoint) print one line on stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
 import sys
+from pathlib import Path
+from typing import NoReturn
+
+from bigbatch.errors import ConfigError
+
+EXIT_USAGE = 2
+
+# torchrun flags we pass through unchanged: our flag -> torchrun's flag.
+LAUNCHER_FLAGS = {
+    "--nnodes": "--nnodes",
+    "--node-rank": "--node-rank",
+    "--rdzv-endpoint": "--rdzv-endpoint",
+    "--rdzv-backend": "--rdzv-backend",
+    "--rdzv-id": "--rdzv-id",
+    "--max-restarts": "--max-restarts",
+}
 
 
-def main(argv=None) -> int:
-    print("bigbatch: no commands yet", file=sys.stderr)
-    return 2
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, not argparse's usage block: the message is what the user needs.
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="bigbatch", description="Large-batch distributed training for PyTorch.")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    t = sub.add_parser(
+        "train",
+        help="train a built-in task under a Strategy",
+        description="Train a built-in task with a large-batch Strategy. With no arguments: the "
+        "task's demo (LARS at global batch 4096 on MNIST-1D) and its small-batch baseline.",
+    )
+    t.add_argument("--config", metavar="FILE", help="strategy TOML (default: the task's demo)")
+    t.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append",
+                   default=[], help="override one strategy key (repeatable)")
+    t.add_argument("--task", help="built-in task: mnist1d (default) or charlm")
+    t.add_argument("--model", help="model of the task (mnist1d: cnn, mlp; charlm: transformer)")
+    t.add_argument("--task-opt", dest="task_options", metavar="KEY=VALUE", action="append",
+                   default=[], help="task option, e.g. num_samples=5000 (repeatable)")
+    length = t.add_mutually_exclusive_group()
+    length.add_argument("--epochs", type=_positive_float, help="epochs (default: the recipe's)")
+    length.add_argument("--steps", type=_positive_int, help="optimizer steps instead of epochs")
+    t.add_argument("--seed", type=int, help="seed of init, data order and RNGs (default 0)")
+    t.add_argument("--out", help="output directory (default runs/train)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --out")
+    t.add_argument("--checkpoint-every", type=_positive_int, metavar="N",
+                   help="optimizer steps between checkpoints (default: once per epoch)")
+    t.add_argument("--log-every", type=_positive_int, metavar="N",
+                   help="optimizer steps between metrics lines (default: ~10 per epoch)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard event files")
+    launch = t.add_argument_group("launch (torchrun)")
+    launch.add_argument("--nproc", type=_positive_int, metavar="N",
+                        help="workers on this machine, started through torch.distributed.run")
+    launch.add_argument("--nnodes", help="number of machines, or MIN:MAX (torchrun)")
+    launch.add_argument("--node-rank", type=_nonneg_int, help="rank of this machine (torchrun)")
+    launch.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="rendezvous (torchrun)")
+    launch.add_argument("--rdzv-backend", help="rendezvous backend (torchrun, default c10d)")
+    launch.add_argument("--rdzv-id", help="job id for the rendezvous (torchrun)")
+    launch.add_argument("--max-restarts", type=_nonneg_int,
+                        help="restarts of the worker group on failure (torchrun)")
+    return parser
+
+
+def _literal(raw: str):
+    """A TOML literal (`5000`, `0.1`, `true`, `"x"`), or else the bare word as a string."""
+    import tomllib
+
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _parse_options(items: list[str]) -> dict:
+    options = {}
+    for item in items:
+        key, eq, raw = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"--task-opt {item!r} must look like key=value")
+        options[key.strip()] = _literal(raw.strip())
+    return options
+
+
+def under_launcher() -> bool:
+    """True inside a worker started by torchrun (or anything that set its environment)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def resolve(args: argparse.Namespace):
+    """(TrainConfig, Strategy) from the flags; on --resume, the saved run fills what is not given."""
+    from bigbatch.strategy import Strategy
+    from bigbatch.tasks import task_class
+    from bigbatch.train import RUN_FILE, TrainConfig
+
+    out = Path(args.out or "runs/train")
+    resume = args.resume or (
+        # torchrun --max-restarts restarts every worker with the same arguments: continue.
+        int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+        and (out / "checkpoints").is_dir()
+    )
+    saved: dict = {}
+    if resume:
+        from bigbatch.checkpoint import latest_checkpoint
+
+        if latest_checkpoint(out) is None:
+            raise ConfigError(f"--resume: no checkpoint in {out / 'checkpoints'}")
+        try:
+            saved = json.loads((out / RUN_FILE).read_text())
+        except (OSError, ValueError):
+            saved = {}
+    given = {
+        "task": args.task, "model": args.model, "epochs": args.epochs, "steps": args.steps,
+        "seed": args.seed, "checkpoint_every": args.checkpoint_every,
+        "log_every": args.log_every,
+    }
+    fields = {k: v for k, v in saved.items() if k in TrainConfig.__dataclass_fields__}
+    if args.epochs is not None or args.steps is not None:  # a new length replaces the old one
+        fields.pop("epochs", None)
+        fields.pop("steps", None)
+    fields.update({k: v for k, v in given.items() if v is not None})
+    if args.task_options:
+        fields["task_options"] = _parse_options(args.task_options)
+    fields.update(out=str(out), resume=resume, progress=not args.no_progress)
+    if args.no_tensorboard:
+        fields["tensorboard"] = False
+    config = TrainConfig(**fields)
+
+    cls = task_class(config.task)
+    if args.config is not None:
+        strategy = Strategy.from_toml(Path(args.config))
+    elif resume and (out / "strategy.toml").is_file():
+        strategy = Strategy.from_toml(out / "strategy.toml")
+    else:
+        strategy = Strategy.from_toml(cls.demo_strategy)
+    strategy = strategy.with_overrides(args.overrides)
+    if config.model is not None and config.model not in cls.models:
+        raise ConfigError(
+            f"model={config.model!r} is not a model of task {config.task!r}; "
+            f"valid: {', '.join(cls.models)}"
+        )
+    return config, strategy
+
+
+def _launcher_argv(args: argparse.Namespace, argv: list[str]) -> list[str]:
+    """`python -m torch.distributed.run ... -m bigbatch train <argv without launch flags>`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc or 1)]
+    multi_node = args.rdzv_endpoint is not None or (args.nnodes not in (None, "1", "1:1"))
+    if not multi_node:
+        cmd.append("--standalone")
+    for flag, dest in LAUNCHER_FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            cmd += [dest, str(value)]
+    if multi_node and args.rdzv_backend is None:
+        cmd += ["--rdzv-backend", "c10d"]
+    cmd += ["-m", "bigbatch", *_strip_launch_flags(argv)]
+    return cmd
+
+
+def _strip_launch_flags(argv: list[str]) -> list[str]:
+    drop = {"--nproc", *LAUNCHER_FLAGS}
+    out, skip = [], False
+    for tok in argv:
+        if skip:
+            skip = False
+            continue
+        name = tok.split("=", 1)[0]
+        if name in drop:
+            skip = "=" not in tok
+            continue
+        out.append(tok)
+    return out
+
+
+def _launch(args: argparse.Namespace, argv: list[str], config, strategy) -> int:
+    from bigbatch.tasks import get_task
+
+    nnodes = args.nnodes
+    if nnodes is not None and not all(p.isdigit() and int(p) >= 1 for p in nnodes.split(":")):
+        raise ConfigError(f"--nnodes={nnodes!r}: expected N or MIN:MAX with integers >= 1")
+    if nnodes is None or nnodes.isdigit():
+        strategy.resolve((args.nproc or 1) * int(nnodes or 1))  # batch arithmetic errors, now
+    task = get_task(config.task, **config.task_options)  # fills the data cache once, here
+    task.check_model(config.model)
+    cmd = _launcher_argv(args, argv)
+    try:
+        return subprocess.call(cmd)
+    except KeyboardInterrupt:
+        return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2, one line already printed)
+        return int(e.code or 0)
+    if args.version:
+        from bigbatch import __version__
+
+        print(__version__)
+        return 0
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        config, strategy = resolve(args)
+        launching = not under_launcher() and (
+            (args.nproc or 1) > 1 or args.nnodes is not None or args.rdzv_endpoint is not None)
+        if launching:
+            return _launch(args, argv, config, strategy)
+        from bigbatch.train import train
+
+        train(config, strategy)
+        return 0
+    except ConfigError as e:
+        print(f"bigbatch {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"bigbatch {args.command}: interrupted", file=sys.stderr)
+        return 130

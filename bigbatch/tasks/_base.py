@@ -61,6 +61,8 @@ class Task(abc.ABC):
     metric: ClassVar[str]
     """Name of the headline test metric in `evaluate`'s result."""
     higher_is_better: ClassVar[bool]
+    demo_strategy: ClassVar[str]
+    """Strategy TOML of `bigbatch train`'s default run on this task (a large-batch demo)."""
 
     train_set: TensorDataset
     test_set: TensorDataset

@@ -23,8 +23,8 @@ IGNORE_INDEX = -100
 
 _RECIPES = {
     "transformer": Recipe(
-        base_batch_size=32,
-        base_lr=1e-3,
+        base_batch_size=16,
+        base_lr=2e-3,
         epochs=4,
         optimizer="adamw",
         momentum=0.9,
@@ -33,6 +33,28 @@ _RECIPES = {
         reference=None,
     ),
 }
+
+
+DEMO_STRATEGY = """\
+# bigbatch train's default on charlm: LAMB at global batch 512, 32x the AdamW
+# recipe (batch 16, lr 2e-3), square-root LR scaling with warmup.
+[batch]
+global_batch_size = 512
+base_batch_size = 16
+base_lr = 0.002
+scaling = "sqrt"
+warmup_epochs = 1
+decay = "cosine"
+
+[optimizer]
+type = "adamw"
+weight_decay = 0.0
+epsilon = 1e-6
+
+[lamb]
+lamb_weight_decay = 0.01
+exclude_from_weight_decay = ["norm", "bias"]
+"""
 
 
 def corpus() -> str:
@@ -141,10 +163,11 @@ class CharLM(Task):
     default_model = "transformer"
     metric = "bpc"
     higher_is_better = False
+    demo_strategy = DEMO_STRATEGY
 
     def __init__(
         self,
-        seq_len: int = 128,
+        seq_len: int = 64,
         variable_length: bool = False,
         min_length: int | None = None,
         seed: int = 0,

@@ -44,6 +44,29 @@ _RECIPES = {
 }
 
 
+DEMO_STRATEGY = """\
+# bigbatch train's default: LARS at global batch 4096, 32x the momentum-SGD
+# recipe (batch 128, lr 0.1), linear LR scaling with gradual warmup.
+[batch]
+global_batch_size = 4096
+base_batch_size = 128
+base_lr = 0.1
+scaling = "linear"
+warmup_epochs = 2
+decay = "cosine"
+
+[optimizer]
+type = "momentum"
+momentum = 0.9
+weight_decay = 0.0
+
+[lars]
+lars_coeff = 0.001
+lars_weight_decay = 0.0005
+exclude_from_weight_decay = ["bn", "bias"]
+"""
+
+
 def cache_key(num_samples: int = 50_000, seed: int = 42) -> dict:
     """What identifies a generated data set: generator version, sample count and seed.
 
@@ -155,6 +178,7 @@ class MNIST1D(Task):
     default_model = "cnn"
     metric = "accuracy"
     higher_is_better = True
+    demo_strategy = DEMO_STRATEGY
 
     def __init__(
         self,
