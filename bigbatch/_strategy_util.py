@@ -4,11 +4,10 @@ import dataclasses
 import difflib
 import math
 import os
+import tomllib
 import types
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin
-
-import tomllib
 
 from bigbatch.errors import ConfigError
 

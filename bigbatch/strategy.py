@@ -22,12 +22,12 @@ one line naming the key, the value and what is allowed.
 """
 
 import os
+import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import tomli_w
-import tomllib
 
 from bigbatch._strategy_sections import (
     KEYS,
