@@ -104,7 +104,7 @@ class ProgressBar:
 
             self._bar = Progress(
                 TextColumn("[bold]train"),
-                BarColumn(),
+                BarColumn(bar_width=24),
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[info]}"),
                 TimeElapsedColumn(),
@@ -137,3 +137,30 @@ class ProgressBar:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+
+
+def reference(recipe: Any, epochs: float, metric: str) -> dict[str, Any] | None:
+    """The small-batch baseline of the same epochs, when one was measured."""
+    if recipe.reference is None or abs(epochs - recipe.epochs) > 1e-6:
+        return None
+    return {"global_batch_size": recipe.base_batch_size, "lr": recipe.base_lr,
+            "optimizer": recipe.optimizer, "epochs": recipe.epochs,
+            f"test_{metric}": recipe.reference, "note": recipe.reference_note}
+
+
+def closing_line(s: dict[str, Any]) -> str:
+    metric = s["metric"]
+    value = s[f"test_{metric}"]
+    shown = f"{100 * value:.2f}%" if metric == "accuracy" else f"{value:.4f}"
+    line = (f"test {metric} {shown} after {s['epochs']:g} epochs at global batch "
+            f"{s['global_batch_size']} ({s['optimizer']}, {s['world_size']} worker(s), "
+            f"{s['wall_time_s']:.0f} s)")
+    ref = s["reference"]
+    if ref is not None:
+        r = ref[f"test_{metric}"]
+        rs = f"{100 * r:.2f}%" if metric == "accuracy" else f"{r:.4f}"
+        line += (f"; small-batch baseline: {rs} at batch {ref['global_batch_size']} "
+                 f"({ref['optimizer']}, same epochs)")
+    else:
+        line += "; no small-batch baseline measured for these epochs"
+    return line

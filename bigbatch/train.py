@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bigbatch._progress import METRICS_FILE, MetricsWriter, ProgressBar
+from bigbatch._progress import METRICS_FILE, MetricsWriter, ProgressBar, closing_line, reference
 from bigbatch.checkpoint import (
     CHECKPOINT_DIR,
     latest_checkpoint,
@@ -255,7 +255,10 @@ def _train(config: TrainConfig, strategy: Strategy, world: World) -> dict[str, A
     else:
         bar.print(strategy.overview(world.world_size, steps_per_epoch=spe, total_steps=total_steps))
 
+    timer = {"compute": 0.0, "eval": 0.0, "checkpoint": 0.0}
+
     def checkpoint() -> None:
+        t0 = time.perf_counter()
         rngs = _gather(rng_state(), world)
         if main:
             save_checkpoint(out, run.step, {
@@ -270,9 +273,12 @@ def _train(config: TrainConfig, strategy: Strategy, world: World) -> dict[str, A
                 "config": config.to_dict(),
                 "wall_time_s": elapsed_before + time.perf_counter() - t_start,
             }, keep=config.keep_checkpoints)
+        timer["checkpoint"] += time.perf_counter() - t0
 
     def log_eval() -> dict[str, float]:
+        t0 = time.perf_counter()
         metrics = evaluate(task, run, world, config.eval_batch_size)
+        timer["eval"] += time.perf_counter() - t0
         if main:
             writer.write({"kind": "eval", "step": run.step, "epoch": run.step / spe, **metrics})
             shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
@@ -281,22 +287,25 @@ def _train(config: TrainConfig, strategy: Strategy, world: World) -> dict[str, A
 
     device = world.device
     loss_acc = torch.zeros(2, dtype=torch.float64, device=device)
-    t_log, steps_logged = time.perf_counter(), 0
     samples_per_s: list[float] = []
     metrics: dict[str, float] | None = None
+    t_loop = time.perf_counter()
+    t_log, eval_at_log, steps_logged = t_loop, 0.0, 0
     while run.step < total_steps and sampler.epoch < n_epochs:
         for micro_batches in sampler:
             for idx in micro_batches:
                 batch = _fetch(task.train_set, idx, device)
-                with run.micro_step() as ms:
+                t0 = time.perf_counter()
+                with run.micro_step() as ms:  # forward, backward and (k-th) optimizer step
                     loss_sum, count = task.loss(run.model(batch[0]), batch)
                     ms.backward(loss_sum, count=count)
+                timer["compute"] += time.perf_counter() - t0
                 loss_acc[0] += loss_sum.detach().double()
                 loss_acc[1] += count
             steps_logged += 1
             if run.step % log_every == 0 or run.step == total_steps:
                 all_reduce_sum(loss_acc)
-                dt = time.perf_counter() - t_log
+                dt = time.perf_counter() - t_log - (timer["eval"] - eval_at_log)
                 sps = steps_logged * plan.global_batch_size / max(dt, 1e-9)
                 samples_per_s.append(sps)
                 stats = run.stats
@@ -308,7 +317,7 @@ def _train(config: TrainConfig, strategy: Strategy, world: World) -> dict[str, A
                 bar.update(run.step, epoch=run.step / spe, loss=loss, lr=stats["lr"],
                            samples_per_s=sps)
                 loss_acc.zero_()
-                t_log, steps_logged = time.perf_counter(), 0
+                t_log, eval_at_log, steps_logged = time.perf_counter(), timer["eval"], 0
             if run.step >= total_steps:
                 break
             if run.step % ckpt_every == 0 and not sampler.epoch_done:
@@ -322,6 +331,9 @@ def _train(config: TrainConfig, strategy: Strategy, world: World) -> dict[str, A
         metrics = log_eval()
     checkpoint()
     bar.close()
+    # Step time: the loop without evaluation. What is not forward/backward/optimizer in it
+    # (data fetching, logging, checkpoints) is the loop's overhead.
+    step_time = time.perf_counter() - t_loop - timer["eval"]
     wall = elapsed_before + time.perf_counter() - t_start
     summary = {
         "task": task.name,
@@ -341,7 +353,10 @@ def _train(config: TrainConfig, strategy: Strategy, world: World) -> dict[str, A
         "wall_time_s": wall,
         "samples_per_s": float(np.median(samples_per_s)) if samples_per_s else None,
         "skipped_steps": run.skipped_steps,
-        "reference": _reference(recipe, run.step / spe, task.metric),
+        "time_s": {"steps": step_time, "compute": timer["compute"], "eval": timer["eval"],
+                   "checkpoint": timer["checkpoint"]},
+        "overhead_share": 1.0 - timer["compute"] / step_time if step_time > 0 else None,
+        "reference": reference(recipe, run.step / spe, task.metric),
         "strategy": strategy.to_dict(),
     }
     if main:
@@ -349,34 +364,8 @@ def _train(config: TrainConfig, strategy: Strategy, world: World) -> dict[str, A
         torch.save(run.module.state_dict(), out / "final.pt")
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         writer.close()
-        bar.print(_closing_line(summary))
+        bar.print(closing_line(summary))
     elif world.is_distributed:
         _sync_buffers(run.module, world)
     return summary
 
-
-def _reference(recipe, epochs: float, metric: str) -> dict[str, Any] | None:
-    """The small-batch baseline of the same epochs, when one was measured."""
-    if recipe.reference is None or abs(epochs - recipe.epochs) > 1e-6:
-        return None
-    return {"global_batch_size": recipe.base_batch_size, "lr": recipe.base_lr,
-            "optimizer": recipe.optimizer, "epochs": recipe.epochs,
-            f"test_{metric}": recipe.reference, "note": recipe.reference_note}
-
-
-def _closing_line(s: dict[str, Any]) -> str:
-    metric = s["metric"]
-    value = s[f"test_{metric}"]
-    shown = f"{100 * value:.2f}%" if metric == "accuracy" else f"{value:.4f}"
-    line = (f"test {metric} {shown} after {s['epochs']:g} epochs at global batch "
-            f"{s['global_batch_size']} ({s['optimizer']}, {s['world_size']} worker(s), "
-            f"{s['wall_time_s']:.0f} s)")
-    ref = s["reference"]
-    if ref is not None:
-        r = ref[f"test_{metric}"]
-        rs = f"{100 * r:.2f}%" if metric == "accuracy" else f"{r:.4f}"
-        line += (f"; small-batch baseline: {rs} at batch {ref['global_batch_size']} "
-                 f"({ref['optimizer']}, same epochs)")
-    else:
-        line += "; no small-batch baseline measured for these epochs"
-    return line

@@ -238,3 +238,37 @@ def test_default_run_is_the_lars_demo():
     assert (config.task, config.model, config.out) == ("mnist1d", None, "runs/train")
     assert strategy.optimizer_name() == "LARS"
     assert strategy.resolve(2).global_batch_size == 4096
+
+
+MLP_STRATEGY = """
+[batch]
+global_batch_size = 64
+micro_batch_size = 32
+base_batch_size = 64
+base_lr = 0.05
+decay = "cosine"
+
+[optimizer]
+type = "momentum"
+weight_decay = 0.0005
+"""
+
+
+def _summary(config, strategy_text):
+    return train(config, Strategy.from_toml(strategy_text))
+
+
+def test_two_workers_equal_one_worker_with_gradient_merge(tmp_path):
+    # The sampler hands out the same global batches on any world size, so 2 workers x 32
+    # and 1 worker x 2 merged micro-steps of 32 take the same steps (MLP: no BatchNorm).
+    get_task("mnist1d", **SMALL)
+    kw = dict(model="mlp", steps=8, checkpoint_every=100)
+    merged = Strategy.from_toml(MLP_STRATEGY).with_overrides(["gradient_merge.enable=true"])
+    one = train(_config(tmp_path / "one", **kw), merged)
+    two, _ = run_workers(_summary, 2,
+                              (_config(tmp_path / "two", **kw), MLP_STRATEGY), timeout=120)
+    assert (one["k_steps"], one["world_size"], two["k_steps"], two["world_size"]) == (2, 1, 1, 2)
+    a, b = _final(tmp_path / "one"), _final(tmp_path / "two")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    assert one["test_loss"] == pytest.approx(two["test_loss"], rel=1e-5)

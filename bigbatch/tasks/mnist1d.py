@@ -25,19 +25,21 @@ from bigbatch.tasks._base import Recipe, Reduce, Task, cache_dir, eval_sums, par
 SEQ_LEN = 40
 NUM_CLASSES = 10
 
-# Measured with `benchmarks`-style runs on CPU; see the recipe notes.
+# Small-batch baselines, measured with `bigbatch train` (momentum SGD, cosine decay, no
+# warmup, 50,000 samples, seed 0) on a 2-core CPU.
 _RECIPES = {
     "cnn": Recipe(
         base_batch_size=128,
         base_lr=0.1,
-        epochs=8,
+        epochs=16,
         weight_decay=5e-4,
-        reference=None,
+        reference=0.9931,
+        reference_note="momentum SGD, batch 128, lr 0.1, 16 epochs: 72 s on 2 CPU threads",
     ),
     "mlp": Recipe(
         base_batch_size=128,
         base_lr=0.05,
-        epochs=8,
+        epochs=16,
         weight_decay=5e-4,
         reference=None,
     ),
@@ -46,7 +48,10 @@ _RECIPES = {
 
 DEMO_STRATEGY = """\
 # bigbatch train's default: LARS at global batch 4096, 32x the momentum-SGD
-# recipe (batch 128, lr 0.1), linear LR scaling with gradual warmup.
+# recipe (batch 128, lr 0.1), linear LR scaling with gradual warmup. With only
+# 9 steps an epoch, the trust coefficient is 10x Fleet's default 0.001: the
+# per-step relative update lr x lars_coeff peaks at 3.2%. Momentum SGD with the
+# same scaling and warmup reaches about 70% here in 16 epochs (batch 128: 99.3%).
 [batch]
 global_batch_size = 4096
 base_batch_size = 128
@@ -61,7 +66,7 @@ momentum = 0.9
 weight_decay = 0.0
 
 [lars]
-lars_coeff = 0.001
+lars_coeff = 0.01
 lars_weight_decay = 0.0005
 exclude_from_weight_decay = ["bn", "bias"]
 """
