@@ -44,10 +44,38 @@ BatchNorm under gradient merge normalises each micro-batch on its own and its
 running statistics advance once per micro-step; SyncBatchNorm
 (`data_parallel.sync_batch_norm`) synchronises over workers but never over
 micro-steps. Use a model without BatchNorm where exact big-batch equivalence matters.
+
+Training length and the `[adaptive]` section (glue in `bigbatch._adaptive`):
+
+- The schedule is read at `run.progress`, which advances by `run.progress_rate`
+  per optimizer step; loop `while not run.done` (``progress >= total_steps``).
+  Without adaptive methods progress == step. With ``lr = "adascale"`` the rate is
+  AdaScale's gain and `total_steps` / `steps_per_epoch` count *scale-1 steps*
+  (steps at `batch.base_batch_size`); `schedule_steps()` computes both.
+- ``noise_scale = true`` (implied by adascale and goodput): `run.stats` gains
+  ``gns`` (B_simple = tr(Sigma)/|G|^2, in items), ``gns_stderr``, ``gns_sq_norm``,
+  ``gns_trace`` and ``gns_biased``; the tracker is `run.adaptive.tracker`.
+- ``batch_size = "goodput"``: every `interval_steps` the engine may change the
+  batch; it then replaces `run.plan` (and `run.k_steps`) *between* optimizer
+  steps, right after the step that decided, and appends
+  ``{step, old, new, micro_batch_size, k_steps, reason}`` to
+  `run.batch_size_changes` (logged on logger ``bigbatch.adaptive``).
+
+The data contract of an adaptive batch size: the loop reads `run.plan` after
+every optimizer step (`ms.stepped`) and, when `plan.global_batch_size` or
+`plan.micro_batch_size` differ from what its loader yields, rebuilds the loader
+for the new global batch of `k_steps` micro-batches of `micro_batch_size` per
+worker, keeping its position in the epoch (counted in samples). The micro batch
+never exceeds the configured one (the memory limit). After
+`run.load_state_dict()` the plan is the checkpoint's: build the loader from
+`run.plan`, not from `strategy.resolve()`. The training length then stays that
+of `total_steps` configured-batch steps (progress advances by
+``new_global / configured_global`` per step), so loop on `run.done`.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +83,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from bigbatch import _adaptive
 from bigbatch._amp import LossScaler, amp_dtype
 from bigbatch._engine_setup import (
     CommState,
@@ -64,95 +93,13 @@ from bigbatch._engine_setup import (
     wrap_data_parallel,
 )
 from bigbatch._grad_info import GradInfo, small_batch_sq_norm, sq_norm
-from bigbatch.distributed import World, all_reduce_sum, init_distributed, teardown
+from bigbatch._micro_step import MicroStep
+from bigbatch.distributed import World, init_distributed, teardown
 from bigbatch.errors import ConfigError
 
-__all__ = ["GradInfo", "MicroStep", "Run", "prepare"]
+__all__ = ["GradInfo", "MicroStep", "Run", "prepare", "schedule_steps"]
 
-
-class MicroStep:
-    """One micro-step: enter around forward and backward, call `backward` once."""
-
-    __slots__ = ("_run", "_contexts", "is_last", "stepped", "skipped", "_called")
-
-    def __init__(self, run: Run) -> None:
-        self._run = run
-        self._contexts: list[Any] = []
-        self.is_last = False
-        """True on the k-th micro-step, the one that all-reduces and steps."""
-        self.stepped = False
-        """After the block: the optimizer stepped (False while merging, and on overflow)."""
-        self.skipped = False
-        """After the block: the step was skipped for inf/nan gradients (fp16)."""
-        self._called = False
-
-    def __enter__(self) -> MicroStep:
-        run = self._run
-        self.is_last = run.micro == run.k_steps - 1
-        if run._ddp is not None and not self.is_last:
-            self._contexts.append(run._ddp.no_sync())
-        if run.autocast_dtype is not None:
-            self._contexts.append(torch.autocast(run.world.device.type, dtype=run.autocast_dtype))
-        for ctx in self._contexts:
-            ctx.__enter__()
-        return self
-
-    def backward(self, loss: torch.Tensor, count: float | torch.Tensor | None = None) -> None:
-        """Backpropagate this micro-batch's loss with the strategy's scaling.
-
-        `loss` is a mean over the micro-batch, or, with `count`, a sum over
-        `count` items (the merged step then divides by the total count).
-        """
-        if self._called:
-            raise RuntimeError("ms.backward() was called twice in one micro-step")
-        self._called = True
-        run = self._run
-        mult = run._mean_mult
-        if count is None:
-            if run._mode == "count":
-                raise ConfigError("ms.backward(): mixing count= and mean losses within one optimizer step")
-            run._mode = "mean"
-        else:
-            if run._mode == "mean":
-                raise ConfigError("ms.backward(): mixing count= and mean losses within one optimizer step")
-            run._mode = "count"
-            # A tensor count stays on its device: no host sync per micro-step.
-            if isinstance(count, torch.Tensor):
-                count = count.detach().to(torch.float64)
-            run._count = run._count + count
-            mult = run._count_mult
-            if self.is_last and run.world.is_distributed:
-                # Started before backward so it overlaps with the gradient all-reduce.
-                total = torch.as_tensor(run._count, dtype=torch.float64, device=run.world.device)
-                run._count_tensor = total.clone()
-                run._count_work = all_reduce_sum(run._count_tensor, async_op=True)
-        if mult != 1.0:
-            loss = loss * mult
-        if run.scaler is not None:
-            loss = run.scaler.scale(loss)
-        if run.autocast_dtype is not None:
-            with torch.autocast(run.world.device.type, enabled=False):
-                loss.backward()
-        else:
-            loss.backward()
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        for ctx in reversed(self._contexts):
-            ctx.__exit__(exc_type, exc, tb)
-        if exc_type is not None:
-            return False
-        if not self._called:
-            raise RuntimeError("call ms.backward(loss) inside `with run.micro_step() as ms:`")
-        run = self._run
-        if self.is_last:
-            self.skipped = run._finish_step()
-            self.stepped = not self.skipped
-        else:
-            if run.micro == 0 and run._measure_first:
-                run._first_sq = sq_norm([p.grad for p in run._params if p.grad is not None])
-                run._first_count = run._count
-            run.micro += 1
-        return False
+schedule_steps = _adaptive.schedule_steps
 
 
 class Run:
@@ -167,7 +114,7 @@ class Run:
                  schedule: Any, world: World, plan: Any, strategy: Any,
                  scaler: LossScaler | None, autocast_dtype: torch.dtype | None, avg: bool,
                  comm: CommState | None, owns_group: bool, track_stats: bool,
-                 measure_first: bool = False) -> None:
+                 measure_first: bool = False, total_steps: int | None = None) -> None:
         self.module = module
         """The user's model (unwrapped): save and load its state_dict."""
         self.model = model
@@ -177,7 +124,7 @@ class Run:
         """`Schedule`: `schedule.lr(step)` is the LR of optimizer step `step`."""
         self.world = world
         self.plan = plan
-        """The resolved BatchPlan (global/micro batch, k_steps, peak_lr)."""
+        """The BatchPlan in force (global/micro batch, k_steps, peak_lr); goodput replaces it."""
         self.strategy = strategy
         self.scaler = scaler
         """fp16 loss scaler, None for bf16 or fp32."""
@@ -195,12 +142,25 @@ class Run:
         """Where the schedule is read: advances by `progress_rate` per step taken."""
         self.progress_rate = 1.0
         """Schedule progress per step (AdaScale sets its gain here; 1 = plain steps)."""
+        self.total_steps = int(total_steps if total_steps is not None else schedule.total_steps)
+        """Training length in schedule units: `done` once `progress` reaches it."""
         self.lr_scale = 1.0
         """Extra LR multiplier on top of the schedule (adaptive methods)."""
         self.grad_hooks: list[Callable[[GradInfo], None]] = []
         """Called at each taken step with a GradInfo, after unscale, before the optimizer."""
+        self.step_hooks: list[Callable[[Run], None]] = []
+        """Called after each taken optimizer step, between steps (batch-size changes go here)."""
         self.state_objects: dict[str, Any] = {}
-        """Extra stateful helpers (GNS tracker, ...) saved in `state_dict()` under their name."""
+        """Extra stateful helpers saved in `state_dict()` under their name; those with a
+        `stats()` method add to `run.stats`."""
+        self.adaptive: Any = None
+        """The `[adaptive]` controller (`bigbatch._adaptive.Adaptive`), None when off."""
+        self.batch_size_changes: list[dict[str, Any]] = []
+        """Goodput decisions that changed the batch: step, old, new, micro, k, reason."""
+        self.last_step_seconds = 0.0
+        """Seconds inside the micro-step blocks of the latest optimizer step (no data loading)."""
+        self.sync_timing = False
+        """Synchronise the device at each micro-step's end so step times are device times."""
         self.track_grad_norm = track_stats
         """Record the global grad norm at every step for `stats` (one foreach norm)."""
         self.last_lr = schedule.lr(0)
@@ -208,7 +168,11 @@ class Run:
         self._comm = comm
         self._owns_group = owns_group
         self._params = [p for p in module.parameters() if p.requires_grad]
-        self._measure_first = measure_first and self.k_steps > 1
+        # Not tied to k_steps > 1 here: an adaptive batch size may turn merging on later.
+        self._measure_first = measure_first
+        self._first_sq_norm: Callable[[list[torch.Tensor]], torch.Tensor] = (
+            lambda params: sq_norm([p.grad for p in params if p.grad is not None]))
+        self._step_time = 0.0
         self._grad_norm: torch.Tensor | None = None
         self._reset_window()
         if track_stats and hasattr(optimizer, "track_trust_ratios"):
@@ -237,6 +201,16 @@ class Run:
         """Learning rate the optimizer gets at schedule position `progress`."""
         return self.schedule.lr(progress) * self.lr_scale
 
+    @property
+    def done(self) -> bool:
+        """Whether the schedule's length is reached (`progress >= total_steps`)."""
+        return self.progress >= self.total_steps
+
+    def _add_step_time(self, t0: float) -> None:
+        if self.sync_timing and self.world.device.type == "cuda":
+            torch.cuda.synchronize(self.world.device)
+        self._step_time += time.perf_counter() - t0
+
     def _set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -250,8 +224,11 @@ class Run:
         self._first_sq: torch.Tensor | None = None
         self._first_count = 0.0
 
-    def _finish_step(self) -> bool:
-        """All micro-steps done and gradients reduced: normalise, unscale, step. True if skipped."""
+    def _finish_step(self, t0: float) -> bool:
+        """All micro-steps done and gradients reduced: normalise, unscale, step. True if skipped.
+
+        `t0`: when the last micro-step's block was entered (step timing).
+        """
         W = self.world.world_size
         local_count = self._count
         total_count = local_count
@@ -272,10 +249,11 @@ class Run:
         found_inf = self.scaler.unscale_(self.optimizer) if self.scaler is not None else False
         local_raw = self._comm.take_local_sq() if self._comm is not None else None
         if not found_inf:
-            if self.grad_hooks:
-                self._run_hooks(local_raw, local_count, total_count)
+            info = self._run_hooks(local_raw, local_count, total_count) if self.grad_hooks else None
             if self.track_grad_norm:
-                self._grad_norm = sq_norm([p.grad for p in self._params if p.grad is not None]).sqrt()
+                global_sq = info.global_sq_norm() if info is not None else sq_norm(
+                    [p.grad for p in self._params if p.grad is not None])
+                self._grad_norm = global_sq.sqrt()
             self.last_lr = self.lr_at(self.progress)
             self._set_lr(self.last_lr)
             self.optimizer.step()
@@ -283,20 +261,25 @@ class Run:
             self.scaler.update(found_inf)
         self.optimizer.zero_grad(set_to_none=True)
         self._reset_window()
+        self._add_step_time(t0)
+        self.last_step_seconds, self._step_time = self._step_time, 0.0
         if found_inf:
             self.skipped_steps += 1
         else:
             self.step += 1
             self.progress += self.progress_rate
+            for hook in self.step_hooks:
+                hook(self)
         return found_inf
 
     def _run_hooks(self, local_raw: torch.Tensor | None, local_count: float,
-                   total_count: float) -> None:
+                   total_count: float) -> GradInfo:
         local_sq, local_batch, global_batch = small_batch_sq_norm(self, local_raw, local_count,
                                                                   total_count)
         info = GradInfo(self, self._params, local_sq, local_batch, global_batch)
         for hook in self.grad_hooks:
             hook(info)
+        return info
 
     # ------------------------------------------------------------- reporting
 
@@ -318,6 +301,10 @@ class Run:
             out["trust_ratio_min"] = float(r.min())
             out["trust_ratio_median"] = float(r.median())
             out["trust_ratio_max"] = float(r.max())
+        for obj in self.state_objects.values():
+            stats_of = getattr(obj, "stats", None)
+            if callable(stats_of):
+                out.update(stats_of())
         return out
 
     # ------------------------------------------------------------- resume
@@ -349,7 +336,13 @@ class Run:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict()` returned (the model's weights are loaded separately)."""
+        """Restore what `state_dict()` returned (the model's weights are loaded separately).
+
+        Registered helpers load first: an adaptive batch size restores its plan and k_steps.
+        """
+        for name, sub in state.get("extra", {}).items():
+            if name in self.state_objects:
+                self.state_objects[name].load_state_dict(sub)
         if int(state["k_steps"]) != self.k_steps and state["micro"]:
             raise ConfigError(
                 f"checkpoint taken mid-merge-window with k_steps={state['k_steps']}, "
@@ -363,9 +356,6 @@ class Run:
         self.progress = float(state["progress"])
         self.progress_rate = float(state["progress_rate"])
         self.lr_scale = float(state["lr_scale"])
-        for name, sub in state.get("extra", {}).items():
-            if name in self.state_objects:
-                self.state_objects[name].load_state_dict(sub)
         self._reset_window()
         window = state.get("window")
         if window is not None:
@@ -395,7 +385,9 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
     is created from `data_parallel` unless one exists. `track_stats` records the
     grad norm and trust ratios for `run.stats`. `local_grad_norm` measures each
     worker's pre-all-reduce gradient norm for grad hooks (scalars only; default:
-    on when `adaptive.noise_scale` or AdaScale is enabled).
+    on when `[adaptive]` needs the noise scale). With `[adaptive]` active the run
+    gets `run.adaptive` (see the module docstring for training length and the
+    adaptive-batch loader contract).
     """
     from bigbatch.schedules import Schedule
 
@@ -416,10 +408,9 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
     checkpoints = list(strategy.recompute.checkpoints) if strategy.recompute.enable else []
     if checkpoints:
         apply_recompute(model, checkpoints)  # validates names before any group exists
-    adaptive = getattr(strategy, "adaptive", None)
+    needs_gns = _adaptive.check(strategy, plan)  # before any process group exists
     if local_grad_norm is None:
-        local_grad_norm = bool(adaptive is not None and (
-            getattr(adaptive, "noise_scale", False) or getattr(adaptive, "lr", "none") == "adascale"))
+        local_grad_norm = needs_gns
 
     owns_group = world.is_distributed and not dist.is_initialized()
     init_distributed(dp, world)
@@ -431,8 +422,11 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
     scaler = None
     if autocast_dtype == torch.float16:
         scaler = LossScaler.from_config(amp, world.device.type)
-    return Run(module=model, model=wrapped, optimizer=optimizer, schedule=schedule, world=world,
-               plan=plan, strategy=strategy, scaler=scaler, autocast_dtype=autocast_dtype,
-               avg=strategy.gradient_merge.avg, comm=comm, owns_group=owns_group,
-               track_stats=track_stats,
-               measure_first=bool(local_grad_norm) and not world.is_distributed)
+    run = Run(module=model, model=wrapped, optimizer=optimizer, schedule=schedule, world=world,
+              plan=plan, strategy=strategy, scaler=scaler, autocast_dtype=autocast_dtype,
+              avg=strategy.gradient_merge.avg, comm=comm, owns_group=owns_group,
+              track_stats=track_stats, total_steps=total_steps,
+              measure_first=bool(local_grad_norm) and not world.is_distributed)
+    if needs_gns:
+        _adaptive.attach(run)
+    return run

@@ -278,13 +278,14 @@ def adam_sq_norm(
         if v is None or group is None:
             plain.append(g)
             continue
-        gs.append(g.float())
+        gs.append(g if g.dtype == torch.float64 else g.float())  # keep float64 exact
         vs.append(v)
         epss.append(float(group.get("eps", 1e-8)))
         beta2 = float(group.get("betas", (0.9, 0.999))[1])
         step = state.get("step", 0) if group.get("bias_correction", True) else 0
         if isinstance(step, torch.Tensor):  # may live on the GPU: never read it on the host
-            bc2 = 1.0 - torch.pow(beta2, step.to(v.device, torch.float32))
+            acc = torch.float64 if v.dtype == torch.float64 else torch.float32
+            bc2 = 1.0 - torch.pow(beta2, step.to(v.device, acc))
             root_bc.append(torch.where(bc2 > 0, bc2.clamp_min(0).sqrt(), 1.0))
         else:
             root_bc.append(math.sqrt(1.0 - beta2**step) if step > 0 else 1.0)

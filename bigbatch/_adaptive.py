@@ -1,0 +1,402 @@
+"""The `[adaptive]` section on the engine: noise-scale tracking, AdaScale, goodput batch size.
+
+`attach(run)` builds one `Adaptive` controller from the Strategy and plugs it
+into the `Run`: a grad hook (each taken step, after unscale, before the
+optimizer), a step hook (after the step, between steps: batch-size changes)
+and `run.state_objects["adaptive"]` (state_dict and stats). The estimators
+themselves are the pure modules `bigbatch.gns`, `bigbatch.adascale` and
+`bigbatch.goodput`; this file only feeds them.
+
+Where the two squared norms of a step come from (only scalars cross the network):
+
+- several workers: each worker's gradient before the all-reduce (measured in
+  the engine's DDP comm hook, one scalar all-reduce) vs the reduced gradient;
+- one worker with gradient merge: the first micro-step vs the merged gradient;
+- one worker, no merge: two consecutive steps (`ConsecutiveSteps`), marked biased.
+
+With ``optimizer.type = "adamw"`` (AdamW, LAMB) every norm is of the
+preconditioned gradient ``g / (sqrt(v_hat) + eps)`` and AdaScale's LR gain is
+taken to the power 0.5 (AdamScale).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from bigbatch.adascale import AdaScale
+from bigbatch.errors import ConfigError
+from bigbatch.gns import ConsecutiveSteps, GradientNoiseScale, adam_sq_norm
+from bigbatch.goodput import GoodputTuner, Suggestion
+from bigbatch.scaling import scale_lr
+from bigbatch.schedules import warmup_start_lr
+
+if TYPE_CHECKING:
+    from bigbatch._grad_info import GradInfo
+    from bigbatch.engine import Run
+
+__all__ = ["Adaptive", "attach", "check", "schedule_steps"]
+
+log = logging.getLogger("bigbatch.adaptive")
+
+MAX_BATCH_FACTOR = 32
+"""Without `adaptive.max_batch_size`, goodput may grow the global batch this many times."""
+_FLUSH_EVERY = 64  # pending per-step norms kept on the device before one host transfer
+
+
+def _switched_on(a: Any) -> list[str]:
+    on = []
+    if a.noise_scale:
+        on.append("adaptive.noise_scale=true")
+    if a.lr == "adascale":
+        on.append('adaptive.lr="adascale"')
+    if a.batch_size == "goodput":
+        on.append('adaptive.batch_size="goodput"')
+    return on
+
+
+def check(strategy: Any, plan: Any = None) -> bool:
+    """Validate `[adaptive]` against the rest of the strategy; True when it is active."""
+    a = getattr(strategy, "adaptive", None)
+    on = _switched_on(a) if a is not None else []
+    if not on:
+        return False
+    if getattr(strategy.data_parallel, "reduce", "mean") == "adasum":
+        raise ConfigError(
+            f"data_parallel.reduce='adasum' cannot be combined with {on[0]}: the noise scale "
+            "needs the mean of the workers' gradients; use reduce='mean'"
+        )
+    if a.batch_size == "goodput" and plan is not None:
+        _goodput_limits(a, plan)
+    return True
+
+
+def _goodput_limits(a: Any, plan: Any) -> tuple[int, int]:
+    hi = a.max_batch_size or max(plan.global_batch_size, a.min_batch_size or 0) * MAX_BATCH_FACTOR
+    lo = a.min_batch_size or min(plan.global_batch_size, hi)
+    if lo > hi:
+        raise ConfigError(f"adaptive.min_batch_size={lo} is larger than adaptive.max_batch_size={hi}")
+    return lo, hi
+
+
+def schedule_steps(strategy: Any, world_size: int, samples_per_epoch: int,
+                   epochs: float) -> tuple[int, int]:
+    """`(total_steps, steps_per_epoch)` to pass to `prepare()` for `epochs` epochs.
+
+    Steps of the configured global batch; with AdaScale, scale-1 steps (steps of
+    `batch.base_batch_size`), which is what its progress counts.
+    """
+    plan = strategy.resolve(world_size)
+    adascale = getattr(strategy, "adaptive", None) is not None and strategy.adaptive.lr == "adascale"
+    batch = strategy.batch.base_batch_size if adascale else plan.global_batch_size
+    spe = max(1, samples_per_epoch // batch)
+    return max(1, round(epochs * spe)), spe
+
+
+def preconditioned_grads(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
+                         grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+    """``g / (sqrt(v_hat) + eps)`` per tensor, as `bigbatch.gns.adam_sq_norm` measures it.
+
+    Parameters without Adam state yet stay unpreconditioned. New tensors (the
+    consecutive-steps estimator keeps a copy anyway).
+    """
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    out = []
+    for p, g in zip(params, grads, strict=True):
+        if g is None:
+            continue
+        state, group = optimizer.state.get(p, {}), group_of.get(id(p))
+        v = state.get("exp_avg_sq")
+        if v is None or group is None:
+            out.append(g.detach().clone())
+            continue
+        beta2, eps = float(group.get("betas", (0.9, 0.999))[1]), float(group.get("eps", 1e-8))
+        step = float(state.get("step", 0)) if group.get("bias_correction", True) else 0.0
+        root_bc = math.sqrt(1.0 - beta2**step) if step > 0 else 1.0
+        g = g.detach() if g.dtype == torch.float64 else g.detach().float()
+        out.append(g / (v.sqrt() / root_bc + eps))
+    return out
+
+
+class _Consecutive(ConsecutiveSteps):
+    """`ConsecutiveSteps` whose stored gradient is part of the checkpoint (exact resume)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        prev = None if self._prev is None else [t.clone() for t in self._prev]
+        prev_sq = None if self._prev_sq is None else self._prev_sq.clone()
+        return {"prev": prev, "prev_sq": prev_sq}
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        prev = state["prev"]
+        self._prev = None if prev is None else [t.to(device).clone() for t in prev]
+        sq = state["prev_sq"]
+        self._prev_sq = None if sq is None else sq.to(device).clone()
+
+
+class Adaptive:
+    """Per-step glue between a `Run` and the noise-scale tracker, AdaScale and the tuner.
+
+    Public: `tracker` (`GradientNoiseScale`), `adascale` (`AdaScale` or None),
+    `tuner` (`GoodputTuner` or None), `last_suggestion`, `estimate_log` (set to
+    a list to receive every step's estimate), `measure_step_time` (False: feed
+    `tuner` yourself), `limit_batch_size()`, `decide()`, `stats()`.
+    """
+
+    def __init__(self, run: Run) -> None:
+        strategy = run.strategy
+        a = strategy.adaptive
+        self.run = run
+        self.config = a
+        self.preconditioned = strategy.optimizer.type == "adamw"
+        """Norms of ``g / (sqrt(v) + eps)`` (AdamW, LAMB) instead of ``g``."""
+        self.tracker = GradientNoiseScale(a.gns_ema)
+        self.adascale: AdaScale | None = None
+        if a.lr == "adascale":
+            power = 0.5 if self.preconditioned else 1.0
+            self.adascale = AdaScale(strategy.batch.base_batch_size, run.plan.global_batch_size,
+                                     power=power)
+        self.configured_plan = run.plan
+        """The plan `prepare()` resolved; goodput moves away from it and progress counts it."""
+        self.tuner: GoodputTuner | None = None
+        if a.batch_size == "goodput":
+            lo, hi = _goodput_limits(a, run.plan)
+            self.tuner = GoodputTuner(strategy.batch.base_batch_size, min_batch_size=lo,
+                                      max_batch_size=hi,
+                                      max_micro_batch_size=run.plan.micro_batch_size,
+                                      threshold=a.gain_threshold)
+        self.last_suggestion: Suggestion | None = None
+        self.estimate_log: list[dict[str, float]] | None = None
+        """When a list: each step's (step, sq_norm, trace, small_batch, big_batch) is appended."""
+        self.measure_step_time = True
+        """Record the engine's step times in `tuner` (tests feed synthetic ones instead)."""
+        self._base_schedule = run.schedule
+        self._consecutive = _Consecutive()
+        self._pending: list[tuple[int, Any, Any, float, float, float]] = []
+        self._warm = 1  # steps whose time is not recorded (first step, after a change)
+
+    # ------------------------------------------------------------- per step
+
+    def on_grads(self, info: GradInfo) -> None:
+        """Grad hook: this step's norm pair; with AdaScale, the gain for this step's LR."""
+        self._measure(info)
+        if self.adascale is not None:
+            self.flush()
+            t = self.tracker
+            self.run.lr_scale = self.adascale.update(t.sq_norm, t.trace)
+            self.run.progress_rate = self.adascale.last_gain
+
+    def _measure(self, info: GradInfo) -> None:
+        run = self.run
+        if self.preconditioned and not run.optimizer.state:
+            return  # no second moments before the first step: nothing to precondition with
+        opt_factor = 1.0 if run.avg else float(run.k_steps)  # avg=false grads are k x the mean
+        if info.local_sq_norm is not None:
+            self._source(biased=False)
+            if self.preconditioned:
+                big = adam_sq_norm(run.optimizer, info.params, [p.grad for p in info.params])
+            else:
+                big = info.global_sq_norm()
+            small_b, big_b = float(info.local_batch), float(info.global_batch)
+            if 0 < small_b < big_b:
+                self._pending.append((info.step, info.local_sq_norm, big, small_b, big_b,
+                                      opt_factor**2))
+        else:
+            self._source(biased=True)
+            if self.preconditioned:
+                grads = preconditioned_grads(run.optimizer, info.params,
+                                             [p.grad for p in info.params])
+            else:
+                grads = info.grads()
+            pair = self._consecutive(grads, float(info.global_batch))
+            if pair is not None:
+                self._pending.append((info.step, *pair, opt_factor**2))
+        if len(self._pending) >= _FLUSH_EVERY:
+            self.flush()
+
+    def _source(self, biased: bool) -> None:
+        if self.tracker.biased == biased:
+            return
+        if self.tracker.steps:
+            self.flush()
+            log.info("noise scale: source changed to %s; the estimates restart",
+                     "consecutive steps (biased)" if biased else "local vs global gradients")
+            self.tracker = GradientNoiseScale(self.config.gns_ema, biased=biased,
+                                              window=self.tracker.window)
+        self.tracker.biased = biased
+
+    def flush(self) -> None:
+        """Fold the pending per-step norms into the tracker (one host transfer)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        tensors = [x for row in pending for x in row[1:3] if isinstance(x, torch.Tensor)]
+        values = iter(torch.stack([t.detach().to(torch.float64) for t in tensors]).tolist()
+                      if tensors else [])
+        for step, small, big, small_b, big_b, factor in pending:
+            small = next(values) if isinstance(small, torch.Tensor) else small
+            big = next(values) if isinstance(big, torch.Tensor) else big
+            est = self.tracker.update(small / factor, big / factor, small_b, big_b)
+            if self.estimate_log is not None:
+                self.estimate_log.append({"step": step, "sq_norm": est.sq_norm,
+                                          "trace": est.trace, "small_batch": small_b,
+                                          "big_batch": big_b})
+
+    def on_step(self, run: Run) -> None:
+        """Step hook (goodput): record the step time; every `interval_steps`, decide."""
+        if self.measure_step_time:
+            if self._warm > 0:
+                self._warm -= 1
+            else:
+                self.tuner.record(run.plan.micro_batch_size, run.k_steps, run.world.world_size,
+                                  run.last_step_seconds)
+        if run.step % self.config.interval_steps == 0:
+            self.decide()
+
+    # ------------------------------------------------------------- batch size
+
+    def decide(self) -> Suggestion:
+        """Ask the tuner now; apply a change. Every worker applies rank 0's decision."""
+        self.flush()
+        run = self.run
+        s = self.tuner.suggest(run.plan.micro_batch_size, run.k_steps, run.world.world_size,
+                               self.tracker.b_simple)
+        if run.world.is_distributed and dist.is_initialized():
+            box = [s]
+            dist.broadcast_object_list(box, src=0)
+            s = box[0]
+        self.last_suggestion = s
+        if s.changed:
+            old = run.plan
+            self._set_plan(s.micro_batch_size, s.k_steps)
+            entry = {"step": run.step, "old": old.global_batch_size,
+                     "new": run.plan.global_batch_size, "micro_batch_size": s.micro_batch_size,
+                     "k_steps": s.k_steps, "reason": s.reason}
+            run.batch_size_changes.append(entry)
+            if run.world.is_main:
+                log.info("step %d: %s", run.step, s.reason)
+        else:
+            log.debug("step %d: %s", run.step, s.reason)
+        return s
+
+    def _set_plan(self, micro: int, k: int) -> None:
+        run, b = self.run, self.run.strategy.batch
+        g = int(micro) * int(k) * run.world.world_size
+        scale = g / b.base_batch_size
+        peak = scale_lr(b.base_lr, scale, b.scaling)
+        run.plan = dataclasses.replace(run.plan, global_batch_size=g, micro_batch_size=int(micro),
+                                       k_steps=int(k), world_size=run.world.world_size,
+                                       scale=scale, peak_lr=peak)
+        run.k_steps = int(k)
+        if self.adascale is not None:
+            self.adascale.set_batch_size(g)  # scaling is "none": the schedule stays
+        else:
+            run.schedule = dataclasses.replace(self._base_schedule, peak_lr=peak,
+                                               warmup_start_lr=warmup_start_lr(b.base_lr, peak))
+            # Progress counts configured-batch steps, so the run's length stays in samples.
+            run.progress_rate = g / self.configured_plan.global_batch_size
+        self._consecutive.reset()
+        self._warm = 1
+
+    def limit_batch_size(self, max_global: int) -> None:
+        """Cap the global batch goodput may choose (e.g. at the training-set size)."""
+        if self.tuner is not None:
+            self.tuner.max_batch_size = max(1, min(self.tuner.max_batch_size, int(max_global)))
+            self.tuner.min_batch_size = min(self.tuner.min_batch_size, self.tuner.max_batch_size)
+
+    # ------------------------------------------------------------- reporting, resume
+
+    def stats(self) -> dict[str, float]:
+        """Numbers for `run.stats` (finite ones only; none before the first estimate)."""
+        self.flush()
+        t, run, out = self.tracker, self.run, {}
+        if t.steps:
+            for key, value in (("gns", t.b_simple), ("gns_stderr", t.b_simple_stderr),
+                               ("gns_sq_norm", t.sq_norm), ("gns_trace", t.trace)):
+                if math.isfinite(value):
+                    out[key] = float(value)
+            out["gns_biased"] = float(t.biased)
+        if self.adascale is not None:
+            out["adascale_gain"] = float(self.adascale.last_gain)
+        if self.adascale is not None or self.tuner is not None:
+            out["progress"] = float(run.progress)
+        if self.tuner is not None:
+            out["global_batch_size"] = float(run.plan.global_batch_size)
+            out["micro_batch_size"] = float(run.plan.micro_batch_size)
+            out["k_steps"] = float(run.k_steps)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        self.flush()
+        plan = self.run.plan
+        return {
+            "tracker": self.tracker.state_dict(),
+            "adascale": None if self.adascale is None else self.adascale.state_dict(),
+            "tuner": None if self.tuner is None else self.tuner.state_dict(),
+            "plan": [plan.global_batch_size, plan.micro_batch_size, self.run.k_steps,
+                     plan.world_size],
+            "batch_size_changes": [dict(c) for c in self.run.batch_size_changes],
+            "consecutive": self._consecutive.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        run = self.run
+        self._pending = []
+        self.tracker.load_state_dict(state["tracker"])
+        if self.adascale is not None and state.get("adascale") is not None:
+            self.adascale.load_state_dict(state["adascale"])
+        if self.tuner is not None and state.get("tuner") is not None:
+            self.tuner.load_state_dict(state["tuner"])
+        run.batch_size_changes[:] = [dict(c) for c in state.get("batch_size_changes", [])]
+        g, micro, k, world = (int(v) for v in state["plan"])
+        if (g, micro, k) != (run.plan.global_batch_size, run.plan.micro_batch_size, run.k_steps):
+            W = run.world.world_size
+            if world != W:  # another world size: keep the global batch and micro if they fit
+                if g % (micro * W):
+                    log.warning("resume on %d workers: global batch %d does not split into "
+                                "micro %d; keeping the configured plan", W, g, micro)
+                    micro = k = 0
+                else:
+                    k = g // (micro * W)
+            if micro:
+                self._set_plan(micro, k)
+        self._consecutive.load_state_dict(state["consecutive"], run.world.device)
+        self._warm = 1
+
+
+def attach(run: Run) -> Adaptive:
+    """Build the controller for `run.strategy.adaptive` and register its hooks on `run`."""
+    ctl = Adaptive(run)
+    if ctl.preconditioned:
+        _precondition_local_norms(run)
+    run.grad_hooks.insert(0, ctl.on_grads)  # first: AdaScale sets this step's LR scale
+    if ctl.tuner is not None:
+        run.step_hooks.append(ctl.on_step)
+        run.sync_timing = True
+    run.state_objects["adaptive"] = ctl
+    run.adaptive = ctl
+    return ctl
+
+
+def _precondition_local_norms(run: Run) -> None:
+    """Make the small-batch norms those of the Adam-preconditioned gradient."""
+    opt = run.optimizer
+    run._first_sq_norm = lambda params: adam_sq_norm(opt, params, [p.grad for p in params])
+    comm = run._comm
+    if comm is None or not comm.measure_local:
+        return
+    inner, inner_state = comm.inner, comm.inner_state
+
+    def hook(_state: Any, bucket: Any) -> Any:
+        # Before the inner hook divides or reduces the bucket in place (still loss-scaled).
+        sq = adam_sq_norm(opt, bucket.parameters(), bucket.gradients())
+        comm.local_sq = sq if comm.local_sq is None else comm.local_sq + sq
+        return inner(inner_state, bucket)
+
+    comm.measure_local = False  # the engine's plain-norm measurement is replaced by `hook`
+    comm.inner, comm.inner_state = hook, None
