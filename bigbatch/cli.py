@@ -45,6 +45,23 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _nproc(text: str) -> int | str:
+    return "auto" if text == "auto" else _positive_int(text)
+
+
+def default_nproc() -> int:
+    """`--nproc auto`: one worker per GPU; on CPU two workers when there are two cores.
+
+    Two single-threaded workers beat one two-threaded worker on small CPU models
+    (benchmarks/train_throughput.py measured 1.5x on the demo).
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return 2 if (os.cpu_count() or 1) >= 2 else 1
+
+
 def _nonneg_int(text: str) -> int:
     try:
         value = int(text)
@@ -96,8 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard event files")
     launch = t.add_argument_group("launch (torchrun)")
-    launch.add_argument("--nproc", type=_positive_int, metavar="N",
-                        help="workers on this machine, started through torch.distributed.run")
+    launch.add_argument("--nproc", type=_nproc, metavar="N",
+                        help="workers on this machine, started through torch.distributed.run "
+                        "(default auto: one per GPU, else 2 on a CPU with 2+ cores)")
     launch.add_argument("--nnodes", help="number of machines, or MIN:MAX (torchrun)")
     launch.add_argument("--node-rank", type=_nonneg_int, help="rank of this machine (torchrun)")
     launch.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="rendezvous (torchrun)")
@@ -191,7 +209,7 @@ def resolve(args: argparse.Namespace):
 
 def _launcher_argv(args: argparse.Namespace, argv: list[str]) -> list[str]:
     """`python -m torch.distributed.run ... -m bigbatch train <argv without launch flags>`."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc or 1)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc)]
     multi_node = args.rdzv_endpoint is not None or (args.nnodes not in (None, "1", "1:1"))
     if not multi_node:
         cmd.append("--standalone")
@@ -222,17 +240,21 @@ def _strip_launch_flags(argv: list[str]) -> list[str]:
 
 def _launch(args: argparse.Namespace, argv: list[str], config, strategy) -> int:
     from bigbatch.tasks import get_task
+    from bigbatch.train import plan_run
 
     nnodes = args.nnodes
     if nnodes is not None and not all(p.isdigit() and int(p) >= 1 for p in nnodes.split(":")):
         raise ConfigError(f"--nnodes={nnodes!r}: expected N or MIN:MAX with integers >= 1")
-    if nnodes is None or nnodes.isdigit():
-        strategy.resolve((args.nproc or 1) * int(nnodes or 1))  # batch arithmetic errors, now
     task = get_task(config.task, **config.task_options)  # fills the data cache once, here
     task.check_model(config.model)
+    if nnodes is None or nnodes.isdigit():  # batch and schedule mistakes: now, not per worker
+        plan_run(config, strategy, task, args.nproc * int(nnodes or 1))
     cmd = _launcher_argv(args, argv)
+    env = dict(os.environ)
+    if "OMP_NUM_THREADS" not in env:  # torchrun would pick 1 and print a banner about it
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.nproc))
     try:
-        return subprocess.call(cmd)
+        return subprocess.call(cmd, env=env)
     except KeyboardInterrupt:
         return 130
 
@@ -254,8 +276,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         config, strategy = resolve(args)
+        if args.nproc in (None, "auto"):
+            args.nproc = default_nproc() if not under_launcher() else 1
         launching = not under_launcher() and (
-            (args.nproc or 1) > 1 or args.nnodes is not None or args.rdzv_endpoint is not None)
+            args.nproc > 1 or args.nnodes is not None or args.rdzv_endpoint is not None)
         if launching:
             return _launch(args, argv, config, strategy)
         from bigbatch.train import train

@@ -176,6 +176,25 @@ def prepare_out(config: TrainConfig, world: World) -> Path | None:
     return Path(ckpt) if ckpt else None
 
 
+def plan_run(config: TrainConfig, strategy: Strategy, task: Task, world_size: int,
+             rank: int = 0) -> tuple[Any, GlobalBatchSampler, int]:
+    """(BatchPlan, this worker's sampler, total optimizer steps); validates the schedule too,
+    so a launcher can report every config mistake before starting workers."""
+    from bigbatch.schedules import Schedule
+
+    plan = strategy.resolve(world_size)
+    sampler = GlobalBatchSampler(len(task.train_set), plan.global_batch_size,
+                                 plan.micro_batch_size, world_size, rank, config.seed)
+    spe = sampler.steps_per_epoch
+    if config.steps is not None:
+        total_steps = config.steps
+    else:
+        epochs = config.epochs if config.epochs is not None else task.recipe(config.model).epochs
+        total_steps = max(1, round(epochs * spe))
+    Schedule.from_strategy(strategy, plan, total_steps, spe)
+    return plan, sampler, total_steps
+
+
 def evaluate(task: Task, run, world: World, batch_size: int) -> dict[str, float]:
     """Test metrics of rank 0's model; each worker evaluates a shard, the sums are all-reduced."""
     _sync_buffers(run.module, world)
@@ -207,15 +226,8 @@ def _train(config: TrainConfig, strategy: Strategy, world: World) -> dict[str, A
     task = load_task(config, world)
     model_name = task.check_model(config.model)
     recipe = task.recipe(model_name)
-    plan = strategy.resolve(world.world_size)
-    sampler = GlobalBatchSampler(len(task.train_set), plan.global_batch_size,
-                                 plan.micro_batch_size, world.world_size, world.rank, config.seed)
+    plan, sampler, total_steps = plan_run(config, strategy, task, world.world_size, world.rank)
     spe = sampler.steps_per_epoch
-    if config.steps is not None:
-        total_steps = config.steps
-    else:
-        epochs = config.epochs if config.epochs is not None else recipe.epochs
-        total_steps = max(1, round(epochs * spe))
     n_epochs = math.ceil(total_steps / spe)
     ckpt_every = config.checkpoint_every or spe
     log_every = config.log_every or max(1, min(50, spe // 10))

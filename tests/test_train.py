@@ -197,7 +197,8 @@ def test_bad_config_file_exits_2(tmp_path, capsys):
 
 def test_cli_trains_and_resume_takes_saved_settings(tmp_path, capsys):
     out = tmp_path / "run"
-    args = ["train", "--out", str(out), "--task-opt", "num_samples=1000", "--steps", "3",
+    args = ["train", "--nproc", "1", "--out", str(out), "--task-opt", "num_samples=1000",
+            "--steps", "3",
             "--set", "batch.global_batch_size=64", "--set", "batch.base_batch_size=32",
             "--set", "batch.warmup_epochs=0",
             "--model", "mlp", "--seed", "3", "--no-progress", "--no-tensorboard"]
@@ -207,7 +208,8 @@ def test_cli_trains_and_resume_takes_saved_settings(tmp_path, capsys):
     assert s["optimizer"] == "LARS"  # the task's demo strategy
     capsys.readouterr()
     # --resume with a longer --steps: everything else comes from the saved run.
-    assert main(["train", "--out", str(out), "--resume", "--steps", "5", "--no-progress"]) == 0
+    assert main(["train", "--nproc", "1", "--out", str(out), "--resume", "--steps", "5",
+                 "--no-progress"]) == 0
     s = json.loads((out / "summary.json").read_text())
     assert (s["model"], s["steps"], s["global_batch_size"], s["seed"]) == ("mlp", 5, 64, 3)
     assert "resuming" in capsys.readouterr().err
