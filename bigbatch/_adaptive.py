@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from bigbatch.adascale import AdaScale
 from bigbatch.errors import ConfigError
-from bigbatch.gns import ConsecutiveSteps, GradientNoiseScale, adam_sq_norm
+from bigbatch.gns import ConsecutiveSteps, GradientNoiseScale, sq_norm
 from bigbatch.goodput import GoodputTuner, Suggestion
 from bigbatch.scaling import scale_lr
 from bigbatch.schedules import warmup_start_lr
@@ -103,25 +103,53 @@ def preconditioned_grads(optimizer: torch.optim.Optimizer, params: Sequence[torc
                          grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
     """``g / (sqrt(v_hat) + eps)`` per tensor, as `bigbatch.gns.adam_sq_norm` measures it.
 
-    Parameters without Adam state yet stay unpreconditioned. New tensors (the
-    consecutive-steps estimator keeps a copy anyway).
+    New tensors in the order of `params` (None gradients skipped); parameters
+    without Adam state yet stay unpreconditioned. Multi-tensor ops, no host sync.
     """
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    out = []
+    out: list[torch.Tensor | None] = []
+    at, gs, vs, roots, epss = [], [], [], [], []
     for p, g in zip(params, grads, strict=True):
         if g is None:
             continue
+        g = g.detach()
         state, group = optimizer.state.get(p, {}), group_of.get(id(p))
         v = state.get("exp_avg_sq")
         if v is None or group is None:
-            out.append(g.detach().clone())
+            out.append(g)
             continue
-        beta2, eps = float(group.get("betas", (0.9, 0.999))[1]), float(group.get("eps", 1e-8))
-        step = float(state.get("step", 0)) if group.get("bias_correction", True) else 0.0
-        root_bc = math.sqrt(1.0 - beta2**step) if step > 0 else 1.0
-        g = g.detach() if g.dtype == torch.float64 else g.detach().float()
-        out.append(g / (v.sqrt() / root_bc + eps))
-    return out
+        at.append(len(out))
+        out.append(None)
+        gs.append(g if g.dtype == torch.float64 else g.float())
+        vs.append(v)
+        epss.append(float(group.get("eps", 1e-8)))
+        beta2 = float(group.get("betas", (0.9, 0.999))[1])
+        step = state.get("step", 0) if group.get("bias_correction", True) else 0
+        if isinstance(step, torch.Tensor):  # may live on the GPU: never read it on the host
+            acc = torch.float64 if v.dtype == torch.float64 else torch.float32
+            bc2 = 1.0 - torch.pow(beta2, step.to(v.device, acc))
+            roots.append(torch.where(bc2 > 0, bc2.clamp_min(0).sqrt(), 1.0))
+        else:
+            roots.append(torch.tensor(math.sqrt(1.0 - beta2**step) if step > 0 else 1.0,
+                                      dtype=v.dtype, device=v.device))
+    if gs:
+        denom = torch._foreach_sqrt(vs)
+        torch._foreach_div_(denom, roots)
+        torch._foreach_add_(denom, epss)
+        for i, t in zip(at, torch._foreach_div(gs, denom), strict=True):
+            out[i] = t
+    return out  # type: ignore[return-value]
+
+
+def _tensor_sq_norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Squared norm of each tensor (float64 for float64 tensors, else float32)."""
+    if not tensors:
+        return []
+    return [n.square() for n in torch._foreach_norm(list(tensors))]
+
+
+def _sum_in_order(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([v.to(torch.float64) for v in values]).sum()
 
 
 class _Consecutive(ConsecutiveSteps):
@@ -199,7 +227,8 @@ class Adaptive:
         if info.local_sq_norm is not None:
             self._source(biased=False)
             if self.preconditioned:
-                big = adam_sq_norm(run.optimizer, info.params, [p.grad for p in info.params])
+                big = sq_norm(preconditioned_grads(run.optimizer, info.params,
+                                                   [p.grad for p in info.params]))
             else:
                 big = info.global_sq_norm()
             small_b, big_b = float(info.local_batch), float(info.global_batch)
@@ -372,8 +401,7 @@ class Adaptive:
 def attach(run: Run) -> Adaptive:
     """Build the controller for `run.strategy.adaptive` and register its hooks on `run`."""
     ctl = Adaptive(run)
-    if ctl.preconditioned:
-        _precondition_local_norms(run)
+    _install_local_norms(run, ctl.preconditioned)
     run.grad_hooks.insert(0, ctl.on_grads)  # first: AdaScale sets this step's LR scale
     if ctl.tuner is not None:
         run.step_hooks.append(ctl.on_step)
@@ -383,20 +411,34 @@ def attach(run: Run) -> Adaptive:
     return ctl
 
 
-def _precondition_local_norms(run: Run) -> None:
-    """Make the small-batch norms those of the Adam-preconditioned gradient."""
+def _install_local_norms(run: Run, preconditioned: bool) -> None:
+    """Small-batch norms: preconditioned for Adam/LAMB, and independent of DDP's buckets.
+
+    DDP regroups its buckets after the first step of every run, so a sum over
+    buckets would change its rounding after a resume. Each parameter's squared
+    norm goes to its own slot and the slots are summed in parameter order.
+    """
     opt = run.optimizer
-    run._first_sq_norm = lambda params: adam_sq_norm(opt, params, [p.grad for p in params])
+    if preconditioned:
+        run._first_sq_norm = lambda params: sq_norm(
+            preconditioned_grads(opt, params, [p.grad for p in params]))
     comm = run._comm
     if comm is None or not comm.measure_local:
         return
+    index = {id(p): i for i, p in enumerate(run._params)}
+    slots: dict[int, torch.Tensor] = {}
     inner, inner_state = comm.inner, comm.inner_state
 
     def hook(_state: Any, bucket: Any) -> Any:
         # Before the inner hook divides or reduces the bucket in place (still loss-scaled).
-        sq = adam_sq_norm(opt, bucket.parameters(), bucket.gradients())
-        comm.local_sq = sq if comm.local_sq is None else comm.local_sq + sq
+        if comm.local_sq is None:  # taken by the engine: a new optimizer step
+            slots.clear()
+        params, grads = bucket.parameters(), bucket.gradients()
+        pre = preconditioned_grads(opt, params, grads) if preconditioned else grads
+        for p, sq in zip(params, _tensor_sq_norms(pre), strict=True):
+            slots[index[id(p)]] = sq
+        comm.local_sq = _sum_in_order([slots[i] for i in sorted(slots)])
         return inner(inner_state, bucket)
 
-    comm.measure_local = False  # the engine's plain-norm measurement is replaced by `hook`
+    comm.measure_local = False  # the engine's per-bucket sum is replaced by `hook`
     comm.inner, comm.inner_state = hook, None
