@@ -3,14 +3,17 @@
 `train(config, strategy)` runs in every worker (plain `python` for one, `torchrun`
 for many). Rank 0 shows progress and writes `OUT/`: `metrics.jsonl`,
 `summary.json`, `final.pt`, `strategy.toml`, `run.json`, `checkpoints/`.
+
+A checkpoint (every `checkpoint_every` steps, at each epoch end and at the end)
+holds the model, the engine's state (optimizer, schedule position, loss scaler,
+adaptive state, batch plan), the sampler's position, every worker's RNG states
+and the step; resuming from it gives the weights an uninterrupted run would have.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import random
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -21,6 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bigbatch import _train_utils as U
 from bigbatch._progress import METRICS_FILE, MetricsWriter, ProgressBar, closing_line, reference
 from bigbatch.checkpoint import (
     CHECKPOINT_DIR,
@@ -31,7 +35,7 @@ from bigbatch.checkpoint import (
     set_rng_state,
 )
 from bigbatch.distributed import World, all_reduce_sum, init_distributed, teardown
-from bigbatch.engine import prepare
+from bigbatch.engine import prepare, schedule_steps
 from bigbatch.errors import ConfigError
 from bigbatch.strategy import Strategy
 from bigbatch.tasks import Task, get_task
@@ -40,6 +44,7 @@ from bigbatch.tasks.sampler import GlobalBatchSampler
 RUN_FILE = "run.json"
 OUTPUTS = (METRICS_FILE, "summary.json", "final.pt", "strategy.toml", RUN_FILE,
            CHECKPOINT_DIR, "tensorboard")
+CHECKPOINT_FORMAT = 1
 
 
 @dataclass
@@ -55,7 +60,8 @@ class TrainConfig:
     epochs: float | None = None
     """Training length in epochs; None with `steps` None: the task recipe's epochs."""
     steps: int | None = None
-    """Training length in optimizer steps (instead of epochs)."""
+    """Training length in optimizer steps of the configured global batch, instead of epochs
+    (with AdaScale: steps of `batch.base_batch_size`, the schedule's unit)."""
     seed: int = 0
     """Seeds model init, the data order and every worker's RNGs."""
     out: str = "runs/train"
@@ -91,72 +97,18 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def _barrier(world: World) -> None:
-    if world.is_distributed and dist.is_initialized():
-        dist.barrier()
-
-
-def _broadcast(obj: Any, world: World) -> Any:
-    if not world.is_distributed:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _gather(obj: Any, world: World) -> list[Any]:
-    if not world.is_distributed:
-        return [obj]
-    out: list[Any] = [None] * world.world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def load_task(config: TrainConfig, world: World) -> Task:
     """The task, built on rank 0 first so a data-set cache is generated only once."""
     if world.rank == 0:
         task = get_task(config.task, **config.task_options)
-        _barrier(world)
-    else:
-        _barrier(world)
+    U.barrier(world)
+    if world.rank != 0:
         task = get_task(config.task, **config.task_options)
     return task
 
 
-def _fetch(dataset, idx: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, ...]:
-    tensors = getattr(dataset, "tensors", None)
-    if tensors is None:  # a generic Dataset: collate samples one by one
-        from torch.utils.data import default_collate
-
-        batch = default_collate([dataset[int(i)] for i in idx])
-    else:
-        batch = tuple(t[idx] for t in tensors)
-    return tuple(t.to(device, non_blocking=True) for t in batch)
-
-
-def _eval_batches(dataset, world: World, batch_size: int):
-    n = len(dataset)
-    lo, hi = world.rank * n // world.world_size, (world.rank + 1) * n // world.world_size
-    for start in range(lo, hi, batch_size):
-        yield _fetch(dataset, torch.arange(start, min(start + batch_size, hi)), torch.device("cpu"))
-
-
-def _sync_buffers(module: torch.nn.Module, world: World) -> None:
-    # Workers' BatchNorm statistics drift apart between DDP's per-forward broadcasts;
-    # evaluate (and save) rank 0's, as the next forward would.
-    if world.is_distributed:
-        for buf in module.buffers():
-            dist.broadcast(buf, src=0)
-
-
 def prepare_out(config: TrainConfig, world: World) -> Path | None:
-    """Resolve the output directory; returns the checkpoint to resume from (or None)."""
+    """Make the output directory ready; returns the checkpoint to resume from (or None)."""
     out = Path(config.out)
     ckpt = None
     if world.rank == 0:
@@ -172,39 +124,29 @@ def prepare_out(config: TrainConfig, world: World) -> Path | None:
                 elif p.exists():
                     p.unlink()
             out.mkdir(parents=True, exist_ok=True)
-    ckpt = _broadcast(str(ckpt) if ckpt else None, world)
+    ckpt = U.broadcast(str(ckpt) if ckpt else None, world)
     return Path(ckpt) if ckpt else None
 
 
 def plan_run(config: TrainConfig, strategy: Strategy, task: Task, world_size: int,
-             rank: int = 0) -> tuple[Any, GlobalBatchSampler, int]:
-    """(BatchPlan, this worker's sampler, total optimizer steps); validates the schedule too,
-    so a launcher can report every config mistake before starting workers."""
+             rank: int = 0) -> tuple[Any, GlobalBatchSampler, int, int]:
+    """(BatchPlan, this worker's sampler, total_steps, steps_per_epoch) in the schedule's units.
+
+    Validates the schedule too, so a launcher can report every config mistake
+    before starting workers.
+    """
     from bigbatch.schedules import Schedule
 
     plan = strategy.resolve(world_size)
-    sampler = GlobalBatchSampler(len(task.train_set), plan.global_batch_size,
-                                 plan.micro_batch_size, world_size, rank, config.seed)
-    spe = sampler.steps_per_epoch
+    n = len(task.train_set)
+    sampler = GlobalBatchSampler(n, plan.global_batch_size, plan.micro_batch_size, world_size,
+                                 rank, config.seed)
+    epochs = config.epochs if config.epochs is not None else task.recipe(config.model).epochs
+    total_steps, spe = schedule_steps(strategy, world_size, n, epochs)
     if config.steps is not None:
         total_steps = config.steps
-    else:
-        epochs = config.epochs if config.epochs is not None else task.recipe(config.model).epochs
-        total_steps = max(1, round(epochs * spe))
     Schedule.from_strategy(strategy, plan, total_steps, spe)
-    return plan, sampler, total_steps
-
-
-def evaluate(task: Task, run, world: World, batch_size: int) -> dict[str, float]:
-    """Test metrics of rank 0's model; each worker evaluates a shard, the sums are all-reduced."""
-    _sync_buffers(run.module, world)
-    return task.evaluate(run.module, _eval_batches(task.test_set, world, batch_size),
-                         reduce=_summed if world.is_distributed else None)
-
-
-def _summed(t: torch.Tensor) -> torch.Tensor:
-    all_reduce_sum(t)
-    return t
+    return plan, sampler, total_steps, spe
 
 
 def train(config: TrainConfig, strategy: Strategy, world: World | None = None) -> dict[str, Any]:
@@ -213,171 +155,213 @@ def train(config: TrainConfig, strategy: Strategy, world: World | None = None) -
     owns_group = world.is_distributed and not dist.is_initialized()
     init_distributed(strategy.data_parallel, world)
     try:
-        return _train(config, strategy, world)
+        return _Trainer(config, strategy, world).fit()
     finally:
         if owns_group:  # a caller's process group stays theirs
             teardown()
 
 
-def _train(config: TrainConfig, strategy: Strategy, world: World) -> dict[str, Any]:
-    t_start = time.perf_counter()
-    out = Path(config.out)
-    resume_from = prepare_out(config, world)
-    task = load_task(config, world)
-    model_name = task.check_model(config.model)
-    recipe = task.recipe(model_name)
-    plan, sampler, total_steps = plan_run(config, strategy, task, world.world_size, world.rank)
-    spe = sampler.steps_per_epoch
-    n_epochs = math.ceil(total_steps / spe)
-    ckpt_every = config.checkpoint_every or spe
-    log_every = config.log_every or max(1, min(50, spe // 10))
+class _Trainer:
+    """One worker's training run; rank 0 also logs and writes the outputs."""
 
-    _seed_everything(config.seed)
-    model = task.build_model(model_name)
-    ckpt = load_checkpoint(resume_from) if resume_from is not None else None
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-    run = prepare(model, strategy, total_steps=total_steps, steps_per_epoch=spe, world=world,
-                  track_stats=True)
-    elapsed_before = 0.0
-    if ckpt is not None:
-        run.load_state_dict(ckpt["engine"])
-        sampler.load_state_dict(ckpt["sampler"])
-        elapsed_before = float(ckpt.get("wall_time_s", 0.0))
-        rngs = ckpt["rng"]
-        if len(rngs) == world.world_size:
-            set_rng_state(rngs[world.rank])
-        else:  # another world size: fresh, still deterministic, streams per worker
-            _seed_everything(config.seed * 1000 + world.world_size * 100 + world.rank + run.step)
-    else:
-        # One stream per worker (dropout masks must differ between workers).
-        _seed_everything(config.seed * 1000 + world.rank + 1)
+    def __init__(self, config: TrainConfig, strategy: Strategy, world: World):
+        self.t_start = time.perf_counter()
+        self.config, self.strategy, self.world = config, strategy, world
+        self.out = Path(config.out)
+        self.main = world.is_main
+        resume_from = prepare_out(config, world)
+        self.task = task = load_task(config, world)
+        self.model_name = task.check_model(config.model)
+        _, self.sampler, self.total_steps, spe = plan_run(
+            config, strategy, task, world.world_size, world.rank)
 
-    main = world.is_main
-    writer = bar = None
-    if main:
-        (out / "strategy.toml").write_text(strategy.to_toml())
-        (out / RUN_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-        writer = MetricsWriter(out, tensorboard=config.tensorboard,
-                               resume_step=run.step if ckpt is not None else None)
-    bar = ProgressBar(total_steps, run.step, enabled=main, bar=config.progress)
-    if ckpt is not None:
-        bar.print(f"resuming {out} from step {run.step} (epoch {sampler.epoch}, "
-                  f"sample {sampler.position})")
-    else:
-        bar.print(strategy.overview(world.world_size, steps_per_epoch=spe, total_steps=total_steps))
+        U.seed_everything(config.seed)
+        model = task.build_model(self.model_name)
+        ckpt = load_checkpoint(resume_from) if resume_from is not None else None
+        if ckpt is not None:
+            model.load_state_dict(ckpt["model"])
+        self.run = run = prepare(model, strategy, total_steps=self.total_steps,
+                                 steps_per_epoch=spe, world=world, track_stats=True)
+        if run.adaptive is not None and hasattr(run.adaptive, "limit_batch_size"):
+            run.adaptive.limit_batch_size(len(task.train_set))
+        self.samples, self.elapsed_before = 0, 0.0
+        if ckpt is not None:
+            self._restore(ckpt)
+        else:
+            U.seed_everything(config.seed * 1000 + world.rank + 1)  # per-worker streams (dropout)
+        self._follow_plan()
+        step_units = self.sampler.steps_per_epoch
+        self.ckpt_every = config.checkpoint_every or step_units
+        self.log_every = config.log_every or max(1, min(50, step_units // 10))
+        self.timer = {"compute": 0.0, "eval": 0.0, "checkpoint": 0.0}
+        self.writer = None
+        if self.main:
+            (self.out / "strategy.toml").write_text(strategy.to_toml())
+            (self.out / RUN_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+            self.writer = MetricsWriter(self.out, tensorboard=config.tensorboard,
+                                        resume_step=run.step if ckpt is not None else None)
+        self.bar = ProgressBar(self.total_steps, int(run.progress), enabled=self.main,
+                               bar=config.progress)
+        if ckpt is not None:
+            self.bar.print(f"resuming {self.out} from step {run.step} (epoch "
+                           f"{self.sampler.epoch}, sample {self.sampler.position})")
+        else:
+            self.bar.print(strategy.overview(world.world_size, steps_per_epoch=spe,
+                                             total_steps=self.total_steps))
 
-    timer = {"compute": 0.0, "eval": 0.0, "checkpoint": 0.0}
+    def _restore(self, ckpt: dict) -> None:
+        self.run.load_state_dict(ckpt["engine"])
+        self.sampler.load_state_dict(ckpt["sampler"])
+        self.samples = int(ckpt.get("samples", 0))
+        self.elapsed_before = float(ckpt.get("wall_time_s", 0.0))
+        rngs, w = ckpt["rng"], self.world
+        if len(rngs) == w.world_size:
+            set_rng_state(rngs[w.rank])
+        else:  # another world size: fresh but deterministic streams, one per worker
+            U.seed_everything(self.config.seed * 1000 + w.world_size * 100 + w.rank + self.run.step)
 
-    def checkpoint() -> None:
+    def _follow_plan(self) -> None:
+        """Make the sampler hand out the engine's current batch (it changes under goodput)."""
+        plan, s = self.run.plan, self.sampler
+        if (plan.global_batch_size, plan.micro_batch_size) != (s.global_batch_size,
+                                                               s.micro_batch_size):
+            s.set_batch(plan.global_batch_size, plan.micro_batch_size)
+
+    @property
+    def epoch(self) -> float:
+        s = self.sampler
+        return s.epoch + s.position / max(1, s.steps_per_epoch * s.global_batch_size)
+
+    # ------------------------------------------------------------------ loop
+
+    def fit(self) -> dict[str, Any]:
+        run, sampler, device = self.run, self.sampler, self.world.device
+        loss_acc = torch.zeros(2, dtype=torch.float64, device=device)
+        self.samples_per_s: list[float] = []
+        metrics: dict[str, float] | None = None
+        t_loop = time.perf_counter()
+        t_log, eval_at_log, samples_at_log = t_loop, 0.0, self.samples
+        while not run.done:
+            for micro_batches in sampler:
+                for idx in micro_batches:
+                    batch = U.fetch(self.task.train_set, idx, device)
+                    t0 = time.perf_counter()
+                    with run.micro_step() as ms:  # forward, backward, (k-th) optimizer step
+                        loss_sum, count = self.task.loss(run.model(batch[0]), batch)
+                        ms.backward(loss_sum, count=count)
+                    self.timer["compute"] += time.perf_counter() - t0
+                    loss_acc[0] += loss_sum.detach().double()
+                    loss_acc[1] += count
+                self.samples += sampler.global_batch_size
+                if run.step % self.log_every == 0 or run.done:
+                    dt = time.perf_counter() - t_log - (self.timer["eval"] - eval_at_log)
+                    self._log_train(loss_acc, (self.samples - samples_at_log) / max(dt, 1e-9))
+                    t_log, eval_at_log, samples_at_log = (time.perf_counter(),
+                                                          self.timer["eval"], self.samples)
+                self._follow_plan()
+                if run.done:
+                    break
+                if run.step % self.ckpt_every == 0 and not sampler.epoch_done:
+                    self.checkpoint()
+            if sampler.epoch_done:
+                metrics = self.evaluate()
+                sampler.next_epoch()
+                if not run.done:
+                    self.checkpoint()
+        if metrics is None or sampler.position != 0:
+            metrics = self.evaluate()
+        self.checkpoint()
+        self.bar.close()
+        # Step time: the loop without evaluation. What is not forward/backward/optimizer in it
+        # (data fetching, logging, checkpoints) is the loop's overhead.
+        return self._finish(metrics, time.perf_counter() - t_loop - self.timer["eval"])
+
+    def _log_train(self, loss_acc: torch.Tensor, samples_per_s: float) -> None:
+        run = self.run
+        all_reduce_sum(loss_acc)
+        loss = float(loss_acc[0] / loss_acc[1].clamp_min(1))
+        loss_acc.zero_()
+        self.samples_per_s.append(samples_per_s)
+        stats = run.stats
+        if self.main:
+            self.writer.write({"kind": "train", "step": run.step, "epoch": self.epoch,
+                               "loss": loss, "samples_per_s": samples_per_s,
+                               "global_batch_size": run.plan.global_batch_size,
+                               **{k: v for k, v in stats.items() if k != "step"}})
+            for change in run.batch_size_changes:
+                if change["step"] == run.step:
+                    self.writer.write({"kind": "batch_size", **change})
+        self.bar.update(min(run.progress, self.total_steps), epoch=self.epoch, loss=loss,
+                        lr=stats["lr"], samples_per_s=samples_per_s)
+
+    def evaluate(self) -> dict[str, float]:
+        """Test metrics of rank 0's model; each worker evaluates a shard, sums are all-reduced."""
         t0 = time.perf_counter()
-        rngs = _gather(rng_state(), world)
-        if main:
-            save_checkpoint(out, run.step, {
-                "format": 1,
+        U.sync_buffers(self.run.module, self.world)
+        batches = U.shard_batches(self.task.test_set, self.world, self.config.eval_batch_size)
+        metrics = self.task.evaluate(self.run.module, batches,
+                                     reduce=U.summed if self.world.is_distributed else None)
+        self.timer["eval"] += time.perf_counter() - t0
+        if self.main:
+            step = self.run.step
+            self.writer.write({"kind": "eval", "step": step, "epoch": self.epoch, **metrics})
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+            self.bar.print(f"epoch {self.epoch:.2f} step {step}: test {shown}")
+        return metrics
+
+    def checkpoint(self) -> None:
+        t0 = time.perf_counter()
+        rngs = U.gather(rng_state(), self.world)
+        if self.main:
+            run = self.run
+            save_checkpoint(self.out, run.step, {
+                "format": CHECKPOINT_FORMAT,
                 "step": run.step,
                 "model": run.module.state_dict(),
                 "engine": run.state_dict(),
-                "sampler": sampler.state_dict(),
+                "sampler": self.sampler.state_dict(),
+                "samples": self.samples,
                 "rng": rngs,
-                "world_size": world.world_size,
-                "strategy": strategy.to_dict(),
-                "config": config.to_dict(),
-                "wall_time_s": elapsed_before + time.perf_counter() - t_start,
-            }, keep=config.keep_checkpoints)
-        timer["checkpoint"] += time.perf_counter() - t0
+                "world_size": self.world.world_size,
+                "strategy": self.strategy.to_dict(),
+                "config": self.config.to_dict(),
+                "wall_time_s": self.elapsed_before + time.perf_counter() - self.t_start,
+            }, keep=self.config.keep_checkpoints)
+        self.timer["checkpoint"] += time.perf_counter() - t0
 
-    def log_eval() -> dict[str, float]:
-        t0 = time.perf_counter()
-        metrics = evaluate(task, run, world, config.eval_batch_size)
-        timer["eval"] += time.perf_counter() - t0
-        if main:
-            writer.write({"kind": "eval", "step": run.step, "epoch": run.step / spe, **metrics})
-            shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-            bar.print(f"epoch {run.step / spe:.2f} step {run.step}: test {shown}")
-        return metrics
-
-    device = world.device
-    loss_acc = torch.zeros(2, dtype=torch.float64, device=device)
-    samples_per_s: list[float] = []
-    metrics: dict[str, float] | None = None
-    t_loop = time.perf_counter()
-    t_log, eval_at_log, steps_logged = t_loop, 0.0, 0
-    while run.step < total_steps and sampler.epoch < n_epochs:
-        for micro_batches in sampler:
-            for idx in micro_batches:
-                batch = _fetch(task.train_set, idx, device)
-                t0 = time.perf_counter()
-                with run.micro_step() as ms:  # forward, backward and (k-th) optimizer step
-                    loss_sum, count = task.loss(run.model(batch[0]), batch)
-                    ms.backward(loss_sum, count=count)
-                timer["compute"] += time.perf_counter() - t0
-                loss_acc[0] += loss_sum.detach().double()
-                loss_acc[1] += count
-            steps_logged += 1
-            if run.step % log_every == 0 or run.step == total_steps:
-                all_reduce_sum(loss_acc)
-                dt = time.perf_counter() - t_log - (timer["eval"] - eval_at_log)
-                sps = steps_logged * plan.global_batch_size / max(dt, 1e-9)
-                samples_per_s.append(sps)
-                stats = run.stats
-                loss = float(loss_acc[0] / loss_acc[1].clamp_min(1))
-                if main:
-                    writer.write({"kind": "train", "step": run.step, "epoch": run.step / spe,
-                                  "loss": loss, "samples_per_s": sps,
-                                  **{k: v for k, v in stats.items() if k != "step"}})
-                bar.update(run.step, epoch=run.step / spe, loss=loss, lr=stats["lr"],
-                           samples_per_s=sps)
-                loss_acc.zero_()
-                t_log, eval_at_log, steps_logged = time.perf_counter(), timer["eval"], 0
-            if run.step >= total_steps:
-                break
-            if run.step % ckpt_every == 0 and not sampler.epoch_done:
-                checkpoint()
-        if sampler.epoch_done:
-            metrics = log_eval()
-            sampler.next_epoch()
-            if run.step < total_steps:
-                checkpoint()
-    if metrics is None or sampler.position != 0:
-        metrics = log_eval()
-    checkpoint()
-    bar.close()
-    # Step time: the loop without evaluation. What is not forward/backward/optimizer in it
-    # (data fetching, logging, checkpoints) is the loop's overhead.
-    step_time = time.perf_counter() - t_loop - timer["eval"]
-    wall = elapsed_before + time.perf_counter() - t_start
-    summary = {
-        "task": task.name,
-        "model": model_name,
-        **{f"test_{k}": v for k, v in metrics.items()},
-        "metric": task.metric,
-        "steps": run.step,
-        "epochs": run.step / spe,
-        "samples": run.step * plan.global_batch_size,
-        "global_batch_size": plan.global_batch_size,
-        "micro_batch_size": plan.micro_batch_size,
-        "k_steps": plan.k_steps,
-        "world_size": world.world_size,
-        "optimizer": strategy.optimizer_name(),
-        "peak_lr": plan.peak_lr,
-        "seed": config.seed,
-        "wall_time_s": wall,
-        "samples_per_s": float(np.median(samples_per_s)) if samples_per_s else None,
-        "skipped_steps": run.skipped_steps,
-        "time_s": {"steps": step_time, "compute": timer["compute"], "eval": timer["eval"],
-                   "checkpoint": timer["checkpoint"]},
-        "overhead_share": 1.0 - timer["compute"] / step_time if step_time > 0 else None,
-        "reference": reference(recipe, run.step / spe, task.metric),
-        "strategy": strategy.to_dict(),
-    }
-    if main:
-        _sync_buffers(run.module, world)
-        torch.save(run.module.state_dict(), out / "final.pt")
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        writer.close()
-        bar.print(closing_line(summary))
-    elif world.is_distributed:
-        _sync_buffers(run.module, world)
-    return summary
-
+    def _finish(self, metrics: dict[str, float], step_time: float) -> dict[str, Any]:
+        run, plan, task = self.run, self.run.plan, self.task
+        timer = self.timer
+        summary = {
+            "task": task.name,
+            "model": self.model_name,
+            **{f"test_{k}": v for k, v in metrics.items()},
+            "metric": task.metric,
+            "steps": run.step,
+            "epochs": self.epoch,
+            "samples": self.samples,
+            "global_batch_size": plan.global_batch_size,
+            "micro_batch_size": plan.micro_batch_size,
+            "k_steps": plan.k_steps,
+            "world_size": self.world.world_size,
+            "optimizer": self.strategy.optimizer_name(),
+            "peak_lr": plan.peak_lr,
+            "seed": self.config.seed,
+            "wall_time_s": self.elapsed_before + time.perf_counter() - self.t_start,
+            "samples_per_s": (float(np.median(self.samples_per_s))
+                              if self.samples_per_s else None),
+            "skipped_steps": run.skipped_steps,
+            "batch_size_changes": list(run.batch_size_changes),
+            "time_s": {"steps": step_time, "compute": timer["compute"], "eval": timer["eval"],
+                       "checkpoint": timer["checkpoint"]},
+            "overhead_share": 1.0 - timer["compute"] / step_time if step_time > 0 else None,
+            "reference": reference(task.recipe(self.model_name), self.epoch, task.metric),
+            "strategy": self.strategy.to_dict(),
+        }
+        U.sync_buffers(run.module, self.world)
+        if self.main:
+            torch.save(run.module.state_dict(), self.out / "final.pt")
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            self.writer.close()
+            self.bar.print(closing_line(summary))
+        return summary

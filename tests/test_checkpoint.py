@@ -111,3 +111,15 @@ def test_sampler_errors():
     s = GlobalBatchSampler(100, 10, 10)
     with pytest.raises(ConfigError, match="99 training samples, this run has 100"):
         s.load_state_dict({"seed": 0, "epoch": 0, "position": 0, "num_samples": 99})
+
+
+def test_sampler_batch_change_mid_epoch_keeps_position():
+    s = GlobalBatchSampler(100, 20, 10, 1, 0, seed=5)
+    perm = s.permutation(0)
+    it = iter(s)
+    first = torch.cat(next(it))
+    s.set_batch(40, 20)  # e.g. an adaptive batch size doubled the batch
+    second = torch.cat(next(it))
+    assert torch.equal(first, perm[:20]) and torch.equal(second, perm[20:60])
+    assert s.k_steps == 2 and s.position == 60 and s.steps_per_epoch == 2
+    assert torch.equal(torch.cat(next(it)), perm[60:100]) and s.epoch_done

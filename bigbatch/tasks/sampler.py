@@ -31,21 +31,7 @@ class GlobalBatchSampler:
         seed: int = 0,
         shuffle: bool = True,
     ):
-        k, rem = divmod(global_batch_size, micro_batch_size * world_size)
-        if rem or k < 1:
-            raise ConfigError(
-                f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size "
-                f"{micro_batch_size} x world_size {world_size}"
-            )
-        if global_batch_size > num_samples:
-            raise ConfigError(
-                f"batch.global_batch_size={global_batch_size} is larger than the training set "
-                f"({num_samples} samples); allowed: <= {num_samples}"
-            )
         self.num_samples = num_samples
-        self.global_batch_size = global_batch_size
-        self.micro_batch_size = micro_batch_size
-        self.k_steps = k
         self.world_size = world_size
         self.rank = rank
         self.seed = seed
@@ -54,6 +40,24 @@ class GlobalBatchSampler:
         """Current epoch (0-based)."""
         self.position = 0
         """Samples of the current epoch already handed out (whole global batches)."""
+        self.set_batch(global_batch_size, micro_batch_size)
+
+    def set_batch(self, global_batch_size: int, micro_batch_size: int) -> None:
+        """Batch sizes from the next step on (an adaptive batch size changes them mid-epoch)."""
+        k, rem = divmod(global_batch_size, micro_batch_size * self.world_size)
+        if rem or k < 1:
+            raise ConfigError(
+                f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size "
+                f"{micro_batch_size} x world_size {self.world_size}"
+            )
+        if global_batch_size > self.num_samples:
+            raise ConfigError(
+                f"batch.global_batch_size={global_batch_size} is larger than the training set "
+                f"({self.num_samples} samples); allowed: <= {self.num_samples}"
+            )
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.k_steps = k
 
     @property
     def steps_per_epoch(self) -> int:
@@ -79,8 +83,9 @@ class GlobalBatchSampler:
         the step (a checkpoint) already counts it.
         """
         perm = self.permutation(self.epoch)
-        m, w = self.micro_batch_size, self.world_size
-        while not self.epoch_done:
+        w = self.world_size
+        while not self.epoch_done:  # sizes read per step: `set_batch` may change them
+            m = self.micro_batch_size
             batch = perm[self.position : self.position + self.global_batch_size]
             self.position += self.global_batch_size
             yield [batch[(j * w + self.rank) * m : (j * w + self.rank + 1) * m]
