@@ -288,3 +288,77 @@ def test_adam_sq_norm_is_exact_in_float64():
     moments = [(opt.state[p]["exp_avg_sq"], float(opt.state[p]["step"])) for p in params]
     expected = sq(precondition(grads, moments))
     assert float(adam_sq_norm(opt, params, grads)) == pytest.approx(expected, rel=1e-13)
+
+
+# ---------------------------------------------------------------- bigbatch gns
+
+
+class TinyTask:
+    """A `Task`-shaped classification problem small enough for a unit test."""
+
+    name, models, default_model = "tiny", ("net",), "net"
+
+    def __init__(self) -> None:
+        from torch.utils.data import TensorDataset
+
+        x = make_data(steps=1, n=512)[0][0]
+        y = (x @ torch.linspace(-1, 1, 32, dtype=x.dtype).reshape(8, 4)).argmax(-1)  # learnable
+        self.train_set = TensorDataset(x, y)
+
+    def check_model(self, name):
+        return name or "net"
+
+    def build_model(self, name=None):
+        return make_model()
+
+    def recipe(self, model=None):
+        from bigbatch.tasks import Recipe
+
+        return Recipe(base_batch_size=64, base_lr=0.1, epochs=1)
+
+    def loss(self, output, batch):
+        return F.cross_entropy(output, batch[1], reduction="sum"), batch[1].numel()
+
+
+def test_window_estimate_by_hand():
+    from bigbatch.gns_probe import window_estimate
+
+    exact = window_estimate([{"sq_norm": g, "trace": 10 * g} for g in (1.0, 2.0, 3.0)])
+    assert exact["b_simple"] == 10.0 and exact["stderr"] == 0.0 and exact["estimates"] == 3
+    # S = [12, 18, 30], G = [1, 2, 3]: B = 60/6 = 10, residuals 2, -2, 0
+    est = window_estimate([{"sq_norm": g, "trace": s} for g, s in ((1, 12), (2, 18), (3, 30))])
+    assert est["b_simple"] == 10.0
+    assert est["stderr"] == pytest.approx(math.sqrt(8 / 36 * 3 / 2))
+    assert math.isinf(window_estimate([{"sq_norm": -1.0, "trace": 5.0}] * 3)["b_simple"])
+
+
+def test_measure_noise_scale_points_and_summary():
+    from bigbatch.gns_probe import critical_batch, format_report, measure_noise_scale
+
+    points = measure_noise_scale(TinyTask(), steps=24, points=3, steps_per_point=4, world=ONE)
+    assert [p["step"] for p in points] == [4, 14, 24]
+    assert all(p["estimates"] == 4 and not p["biased"] for p in points)  # merge: unbiased
+    assert all(p["global_batch_size"] == 64 and p["b_simple"] > 0 for p in points)
+    summary = critical_batch(points)
+    assert summary["b_simple"] == points[-1]["b_simple"] and summary["step"] == 24
+    assert summary["low"] <= summary["b_simple"] <= summary["high"]
+    report = format_report(points, summary)
+    assert "critical batch (B_simple at step 24)" in report and len(report.splitlines()) == 6
+
+
+def test_gns_command_on_mnist1d(tmp_path, capsys):
+    import json
+
+    from bigbatch.gns_probe import main
+
+    out = tmp_path / "gns.json"
+    rc = main(["--task-opt", "num_samples=600", "--task-opt", f"cache_dir='{tmp_path}'",
+               "--steps", "8", "--points", "2", "--steps-per-point", "3", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "mnist1d (cnn), 1 worker(s)" in text and "critical batch" in text
+    got = json.loads(out.read_text())
+    assert [p["step"] for p in got["points"]] == [3, 8] and "critical_batch" in got
+    assert main(["--points", "0"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "bigbatch gns: error: --points=0 is out of range; allowed: >= 1")
