@@ -1,0 +1,349 @@
+"""The study's analysis and report: results.json, report.md and PNG figures.
+
+Everything the report says is computed from the cells' `metrics.jsonl` and
+`summary.json`: steps to target, the measured noise scale (McCandlish et al.
+2018: the critical batch is about B_simple), and a verdict per claim of the seeds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from bigbatch._report_plots import plot_all
+
+NEAR_LINEAR = 0.6
+"""Scaling efficiency (S1/S2)/(B2/B1) at or above which steps fall "about linearly"."""
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    lines = []
+    try:
+        text = path.read_text()
+    except OSError:
+        return lines
+    for line in text.splitlines():
+        try:
+            lines.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut by a crash
+    return lines
+
+
+def steps_to_target(evals: list[tuple[float, float]], target: float,
+                    higher_is_better: bool = True) -> float | None:
+    """First step at which the metric reaches `target`, linearly interpolated between the
+    bracketing evaluations (the eval step itself when there is none before); None if never."""
+    def reached(v: float | None) -> bool:
+        return v is not None and (v >= target if higher_is_better else v <= target)
+
+    prev: tuple[float, float] | None = None
+    for step, value in evals:
+        if reached(value):
+            if prev is None or prev[1] is None or value == prev[1]:
+                return float(step)
+            frac = (target - prev[1]) / (value - prev[1])
+            return prev[0] + min(max(frac, 0.0), 1.0) * (step - prev[0])
+        prev = (step, value)
+    return None
+
+
+def _fit_mccandlish(points: list[tuple[int, float]]) -> dict[str, float] | None:
+    """Least squares of S = S_min (1 + B_noise / B) on (B, S); None if ill-posed."""
+    if len(points) < 3:
+        return None
+    xs, ys = [1.0 / b for b, _ in points], [s for _, s in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return None
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    s_min = my - slope * mx
+    if s_min <= 0 or slope <= 0:
+        return None
+    return {"s_min": s_min, "b_noise": slope / s_min}
+
+
+def _cell_record(cell: Any, state: dict[str, Any], metric: str) -> dict[str, Any]:
+    rec: dict[str, Any] = {"strategy": cell.name, "global_batch_size": cell.batch,
+                           "dir": str(cell.dir), **state}
+    summary = None
+    if (cell.dir / "summary.json").is_file():
+        summary = json.loads((cell.dir / "summary.json").read_text())
+    if summary is None:
+        rec["status"] = "failed" if state.get("status") == "failed" else "missing"
+        return rec
+    lines = read_metrics(cell.dir / "metrics.jsonl")
+    rec.update({k: summary.get(k) for k in ("optimizer", "micro_batch_size", "k_steps",
+                                            "peak_lr", "steps", "epochs", "wall_time_s")})
+    rec["test"] = {k[5:]: v for k, v in summary.items() if k.startswith("test_")}
+    rec["final"] = summary.get(f"test_{metric}")
+    rec["evals"] = [[d["step"], d["epoch"], d.get(metric)] for d in lines if d.get("kind") == "eval"]
+    rec["noise_scale_series"] = [[d["step"], d["epoch"], d["gns"], bool(d.get("gns_biased"))]
+                                 for d in lines if d.get("kind") == "train" and d.get("gns")]
+    rec["adascale_gain"] = [[d["step"], d["adascale_gain"]] for d in lines
+                            if d.get("kind") == "train" and d.get("adascale_gain") is not None]
+    late = [g for _, e, g, _ in rec["noise_scale_series"] if e >= 0.5 * (rec["epochs"] or 0)]
+    rec["noise_scale"] = statistics.median(late) if late else None
+    rec["noise_scale_biased"] = any(b for *_, b in rec["noise_scale_series"])
+    return rec
+
+
+def _baseline(cells: list[dict[str, Any]], recipe: Any) -> dict[str, Any] | None:
+    done = [c for c in cells if c.get("final") is not None]
+    if not done:
+        return None
+    sgd = [c for c in done if c["strategy"] == "sgd"]
+    at_base = [c for c in sgd if c["global_batch_size"] == recipe.base_batch_size]
+    if at_base:
+        return at_base[0]
+    pool = sgd or done
+    return min(pool, key=lambda c: c["global_batch_size"])
+
+
+def _loss_vs(value: float, base: float, higher: bool) -> float:
+    """How much worse `value` is than `base` (positive: worse)."""
+    return base - value if higher else value - base
+
+
+def _claim_accuracy(cells, base, tol, higher) -> dict[str, Any]:
+    by = {(c["strategy"], c["global_batch_size"]): c for c in cells if c.get("final") is not None}
+    layerwise = [s for s in ("lars", "lamb") if any(k[0] == s for k in by)]
+    claim = {"claim": "At a batch where SGD with linear scaling loses accuracy, LARS/LAMB stay "
+             f"within {tol:g} of the small-batch baseline in the same epochs", "rows": []}
+    if base is None or not layerwise or not any(k[0] == "sgd" for k in by):
+        return {**claim, "verdict": "untested", "why": "needs sgd and lars or lamb cells"}
+    held, failed = [], []
+    for (name, batch), c in sorted(by.items(), key=lambda kv: kv[0][1]):
+        if name != "sgd" or batch <= base["global_batch_size"]:
+            continue
+        sgd_loss = _loss_vs(c["final"], base["final"], higher)
+        for lw in layerwise:
+            other = by.get((lw, batch))
+            if other is None:
+                continue
+            lw_loss = _loss_vs(other["final"], base["final"], higher)
+            row = {"global_batch_size": batch, "layerwise": lw, "sgd_loss": sgd_loss,
+                   "layerwise_loss": lw_loss, "sgd_lost": sgd_loss > tol,
+                   "layerwise_kept": lw_loss <= tol}
+            claim["rows"].append(row)
+            if row["sgd_lost"]:
+                (held if row["layerwise_kept"] else failed).append(f"{lw}@{batch}")
+    if not held and not failed:
+        return {**claim, "verdict": "untested",
+                "why": f"SGD with linear scaling stayed within {tol:g} at every batch of the grid"}
+    verdict = "held" if not failed else ("did not hold" if not held else "partly held")
+    why = (f"SGD lost more than {tol:g} at {len(held) + len(failed)} cell(s); the layer-wise "
+           f"optimizer kept accuracy at {', '.join(held) or 'none'}"
+           + (f" and lost it at {', '.join(failed)}" if failed else ""))
+    return {**claim, "verdict": verdict, "why": why}
+
+
+def _claim_scaling(cells, b_crit) -> dict[str, Any]:
+    claim = {"claim": "Steps to target fall about linearly with the batch up to the critical "
+             "batch (measured noise scale) and flatten beyond it", "pairs": []}
+    if b_crit is None:
+        return {**claim, "verdict": "untested", "why": "no noise-scale measurement"}
+    below, above = [], []
+    for name in dict.fromkeys(c["strategy"] for c in cells):
+        row = sorted((c for c in cells if c["strategy"] == name and c.get("steps")),
+                     key=lambda c: c["global_batch_size"])
+        for c1, c2 in zip(row, row[1:], strict=False):
+            s1, s2 = c1.get("steps_to_target"), c2.get("steps_to_target")
+            if s1 is None:
+                continue
+            b1, b2 = c1["global_batch_size"], c2["global_batch_size"]
+            bound = s2 is None  # not reached in its budget: efficiency at most this
+            eff = (s1 / (s2 if s2 is not None else c2["steps"])) / (b2 / b1)
+            region = "below" if b2 <= b_crit else "above" if b1 >= b_crit else "across"
+            claim["pairs"].append({"strategy": name, "from": b1, "to": b2, "efficiency": eff,
+                                   "upper_bound": bound, "region": region})
+            (below if region == "below" else above if region == "above" else []).append(eff)
+    parts, verdicts = [], []
+    if below:
+        m = statistics.fmean(below)
+        verdicts.append(m >= NEAR_LINEAR)
+        parts.append(f"below B_crit={b_crit:.0f} the mean scaling efficiency is {m:.2f} "
+                     f"({'about linear' if m >= NEAR_LINEAR else 'not linear'}, threshold {NEAR_LINEAR})")
+    else:
+        parts.append(f"no batch pair lies below B_crit={b_crit:.0f}")
+    if above:
+        m = statistics.fmean(above)
+        flat = m < NEAR_LINEAR and (not below or m < statistics.fmean(below))
+        verdicts.append(flat)
+        parts.append(f"above it the mean efficiency is at most {m:.2f} "
+                     f"({'flattening' if flat else 'still about linear'})")
+    else:
+        parts.append("no batch pair lies above B_crit")
+    if not below and not above:
+        verdict = "untested"
+    elif len(verdicts) == 2 and all(verdicts):
+        verdict = "held"
+    elif not any(verdicts):
+        verdict = "did not hold"
+    else:
+        verdict = "partly held" if len(verdicts) == 2 else ("held (one side only)" if verdicts[0]
+                                                            else "did not hold (one side only)")
+    return {**claim, "verdict": verdict, "why": "; ".join(parts)}
+
+
+def collect(c: Any, task: Any, recipe: Any, cells: list[Any], status: dict[str, dict],
+            argv: list[str] | None = None) -> dict[str, Any]:
+    """Every number of the report, as one JSON-able dict."""
+    import torch
+
+    metric, higher = task.metric, task.higher_is_better
+    records = [_cell_record(cell, status.get(cell.dir.name, {}), metric) for cell in cells]
+    base = _baseline(records, recipe)
+    tol = c.tolerance if c.tolerance is not None else (0.005 if metric == "accuracy" else 0.02)
+    target = c.target
+    if target is None and base is not None:
+        target = base["final"] - 0.01 if higher else base["final"] + 0.05
+    for r in records:
+        if r.get("evals") is not None and target is not None:
+            evals = [(s, v) for s, _, v in r["evals"]]
+            r["steps_to_target"] = steps_to_target(evals, target, higher)
+            spe = r["steps"] / r["epochs"] if r.get("epochs") else None
+            r["epochs_to_target"] = (r["steps_to_target"] / spe
+                                     if r["steps_to_target"] is not None and spe else None)
+    unbiased = [r["noise_scale"] for r in records
+                if r.get("noise_scale") and not r.get("noise_scale_biased")]
+    pool = unbiased or [r["noise_scale"] for r in records if r.get("noise_scale")]
+    b_crit = statistics.median(pool) if pool else None
+    fits = {}
+    for name in c.strategies:
+        pts = [(r["global_batch_size"], r["steps_to_target"]) for r in records
+               if r["strategy"] == name and r.get("steps_to_target")]
+        fits[name] = _fit_mccandlish(pts)
+    return {
+        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": "bigbatch " + " ".join(argv) if argv else None,
+        "config": asdict(c),
+        "environment": {"python": platform.python_version(), "torch": torch.__version__,
+                        "machine": platform.machine(), "threads": torch.get_num_threads()},
+        "task": task.name, "model": c.model, "metric": metric, "higher_is_better": higher,
+        "recipe": asdict(recipe),
+        "rules": {s: _rule(s) for s in c.strategies},
+        "baseline": None if base is None else {"strategy": base["strategy"], "final": base["final"],
+                                               "global_batch_size": base["global_batch_size"]},
+        "target": target, "tolerance": tol,
+        "critical_batch": b_crit, "critical_batch_from": "unbiased" if unbiased else "biased",
+        "fits": fits, "cells": records,
+        "claims": [_claim_accuracy(records, base, tol, higher), _claim_scaling(records, b_crit)],
+        "total_wall_s": sum(r.get("wall_time_s") or 0.0 for r in records),
+    }
+
+
+def _rule(name: str) -> str:
+    from bigbatch.study import RULES
+
+    return RULES[name]
+
+
+def fmt_metric(value: float | None, metric: str) -> str:
+    if value is None:
+        return "—"
+    return f"{100 * value:.2f}%" if metric == "accuracy" else f"{value:.4f}"
+
+
+def _num(value: float | None, spec: str = ".0f") -> str:
+    return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def table(results: dict[str, Any]) -> str:
+    """The seed-000-style table: strategy, global batch, epochs, metric, steps to target."""
+    m, tgt = results["metric"], results["target"]
+    label = "test accuracy" if m == "accuracy" else f"test {m}"
+    head = ["strategy", "global batch", "epochs", label, "vs baseline", "steps",
+            f"steps to {fmt_metric(tgt, m)}", "epochs to target", "peak LR", "noise scale",
+            "wall s"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    base = results["baseline"]
+    for r in results["cells"]:
+        if r.get("final") is None:
+            rows.append(f"| {r['strategy']} | {r['global_batch_size']} | {r['status']} |"
+                        + " |" * (len(head) - 3))
+            continue
+        delta = "—"
+        if base is not None:
+            d = r["final"] - base["final"]
+            delta = f"{100 * d:+.2f} pt" if m == "accuracy" else f"{d:+.4f}"
+        reached = r.get("steps_to_target")
+        stt = _num(reached) if reached is not None else f"not reached (> {r['steps']})"
+        rows.append(f"| {r['strategy']} | {r['global_batch_size']} | {r['epochs']:g} | "
+                    f"{fmt_metric(r['final'], m)} | {delta} | {r['steps']} | {stt} | "
+                    f"{_num(r.get('epochs_to_target'), '.2f')} | {_num(r['peak_lr'], '.4g')} | "
+                    f"{_num(r.get('noise_scale'))}{'*' if r.get('noise_scale_biased') else ''} | "
+                    f"{_num(r.get('wall_time_s'))} |")
+    return "\n".join(rows)
+
+
+def markdown(results: dict[str, Any], figures: dict[str, str]) -> str:
+    m, c = results["metric"], results["config"]
+    base, rec = results["baseline"], results["recipe"]
+    lines = [f"# Batch-size study: {results['task']} / {results['model']}", ""]
+    if results.get("command"):
+        lines += ["Command:", "", "```", results["command"], "```", ""]
+    opts = ", ".join(f"{k}={v}" for k, v in c["task_options"].items()) or "defaults"
+    lines += [f"Task options: {opts}. Every cell: {c['epochs']:g} epochs, seed {c['seed']}, "
+              f"{c['nproc']} worker(s), micro-batch {c['micro_batch_size']} (larger batches merge "
+              f"gradients), warmup {c['warmup_epochs']:g} epochs for scaled rules. Made "
+              f"{results['created']} with torch {results['environment']['torch']} "
+              f"({results['environment']['threads']} threads); training time of all cells "
+              f"{results['total_wall_s'] / 60:.1f} min.", "",
+              f"Base recipe: {rec['optimizer']} at batch {rec['base_batch_size']}, LR "
+              f"{rec['base_lr']:g}, weight decay {rec['weight_decay']:g}, {rec['decay']} decay.", ""]
+    lines += [f"- **{s}**: {rule}" for s, rule in results["rules"].items()] + [""]
+    if base is not None:
+        lines.append(f"Baseline: {base['strategy']} at batch {base['global_batch_size']}, "
+                     f"{fmt_metric(base['final'], m)}. Target: {fmt_metric(results['target'], m)}"
+                     f"{'' if c['target'] is not None else ' (baseline ' + ('- 1 point' if m == 'accuracy' else '+ 0.05') + ')'}"
+                     f"; tolerance for keeping accuracy: {results['tolerance']:g}.")
+    lines += ["", table(results), "",
+              "Steps to target are interpolated linearly between the two test evaluations "
+              "around the first crossing. Noise scale: median of B_simple (McCandlish et al. "
+              "2018) over the second half of training, in samples; * marks the biased "
+              "consecutive-steps estimate (cells without gradient merge).", ""]
+    bc = results["critical_batch"]
+    lines += ["## What this run found", ""]
+    if bc is not None:
+        lines.append(f"Measured critical batch (median noise scale over cells, "
+                     f"{results['critical_batch_from']} estimates): **{bc:.0f}** samples.")
+    for name, fit in results["fits"].items():
+        if fit:
+            lines.append(f"Fit of S = S_min (1 + B_noise/B) to {name}'s steps to target: S_min = "
+                         f"{fit['s_min']:.0f}, B_noise = {fit['b_noise']:.0f}.")
+    lines.append("")
+    for claim in results["claims"]:
+        lines += [f"- **{claim['verdict'].upper()}** — {claim['claim']}: {claim['why']}."]
+        for r in claim.get("rows", []):
+            lines.append(f"  - batch {r['global_batch_size']}: sgd {_signed(-r['sgd_loss'], m)}, "
+                         f"{r['layerwise']} {_signed(-r['layerwise_loss'], m)} vs baseline")
+        for p in claim.get("pairs", []):
+            lines.append(f"  - {p['strategy']} {p['from']} -> {p['to']} ({p['region']} B_crit): "
+                         f"efficiency {'<= ' if p['upper_bound'] else ''}{p['efficiency']:.2f}")
+    failed = [r for r in results["cells"] if r["status"] in ("failed", "missing")]
+    for r in failed:
+        lines.append(f"- cell {r['strategy']}@{r['global_batch_size']}: {r['status']} "
+                     f"{r.get('error', '')}")
+    lines += ["", "## Figures", ""]
+    lines += [f"![{title}]({name})\n" for name, title in figures.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _signed(delta: float, metric: str) -> str:
+    return f"{100 * delta:+.2f} pt" if metric == "accuracy" else f"{delta:+.4f}"
+
+
+def write(results: dict[str, Any], out: Path) -> None:
+    """results.json, the PNG figures and report.md in `out`."""
+    out = Path(out)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    figures = plot_all(results, out)
+    (out / "report.md").write_text(markdown(results, figures))

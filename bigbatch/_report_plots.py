@@ -1,0 +1,179 @@
+"""The study's PNG figures (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+MARKERS = {"sgd": "o", "lars": "s", "lamb": "D", "adascale": "^"}
+STYLES = {"sgd": "-", "lars": "--", "lamb": "-.", "adascale": ":"}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _metric_label(results: dict[str, Any]) -> str:
+    m = results["metric"]
+    return "test accuracy" if m == "accuracy" else f"test {m} (lower is better)"
+
+
+def _batch_colors(results: dict[str, Any]) -> dict[int, Any]:
+    plt = _pyplot()
+    batches = sorted({c["global_batch_size"] for c in results["cells"]})
+    cmap = plt.get_cmap("viridis")
+    n = max(1, len(batches) - 1)
+    return {b: cmap(0.9 * i / n) for i, b in enumerate(batches)}
+
+
+def _strategies(results: dict[str, Any]) -> list[str]:
+    return list(dict.fromkeys(c["strategy"] for c in results["cells"]))
+
+
+def plot_curves(results: dict[str, Any], path: Path) -> None:
+    """Test metric vs optimizer step, one panel per strategy, one line per batch."""
+    plt = _pyplot()
+    names, colors = _strategies(results), _batch_colors(results)
+    fig, axes = plt.subplots(1, len(names), figsize=(5.2 * len(names), 4.2), sharey=True,
+                             squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        for c in results["cells"]:
+            if c["strategy"] != name or not c.get("evals"):
+                continue
+            pts = [(s, v) for s, _, v in c["evals"] if v is not None]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", ms=4,
+                    color=colors[c["global_batch_size"]], label=f"batch {c['global_batch_size']}")
+        if results["target"] is not None:
+            ax.axhline(results["target"], color="grey", ls="--", lw=1, label="target")
+        ax.set_xscale("log")
+        ax.set_title(name)
+        ax.set_xlabel("optimizer step")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel(_metric_label(results))
+    if results["metric"] == "accuracy":
+        lo = min((v for c in results["cells"] for *_, v in c.get("evals") or [] if v is not None),
+                 default=0.0)
+        axes[0][0].set_ylim(max(0.0, lo - 0.02), 1.0)
+    axes[0][-1].legend(fontsize=8, loc="lower right" if results["higher_is_better"] else "upper right")
+    fig.suptitle(f"{results['task']} / {results['model']}: test metric during training")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_steps(results: dict[str, Any], path: Path) -> None:
+    """Steps to target vs global batch (log-log), perfect scaling and the critical batch."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.8))
+    anchor = None
+    for name in _strategies(results):
+        cells = sorted((c for c in results["cells"] if c["strategy"] == name and c.get("steps")),
+                       key=lambda c: c["global_batch_size"])
+        hit = [(c["global_batch_size"], c["steps_to_target"]) for c in cells
+               if c.get("steps_to_target")]
+        miss = [(c["global_batch_size"], c["steps"]) for c in cells if not c.get("steps_to_target")]
+        if hit:
+            ax.plot(*zip(*hit, strict=True), marker=MARKERS.get(name, "o"), ls=STYLES.get(name, "-"),
+                    label=name)
+            if anchor is None or hit[0][0] < anchor[0]:
+                anchor = hit[0]
+        if miss:
+            ax.scatter(*zip(*miss, strict=True), marker=MARKERS.get(name, "o"), facecolors="none",
+                       edgecolors="red", s=60, label=f"{name}: not reached (budget shown)")
+    batches = sorted({c["global_batch_size"] for c in results["cells"]})
+    bc = results["critical_batch"]
+    if anchor is not None and len(batches) > 1:
+        b0, s0 = anchor
+        ax.plot(batches, [s0 * b0 / b for b in batches], color="grey", lw=1, ls="--",
+                label="perfect scaling")
+        if bc:
+            s_min = s0 / (1 + bc / b0)
+            ax.plot(batches, [s_min * (1 + bc / b) for b in batches], color="black", lw=1, ls=":",
+                    label="S_min (1 + B_crit / B)")
+    if bc:
+        ax.axvline(bc, color="tab:red", lw=1.2, alpha=0.7, label=f"critical batch ~ {bc:.0f}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("global batch size")
+    ax.set_ylabel("optimizer steps to target")
+    from bigbatch._report import fmt_metric
+
+    ax.set_title(f"steps to {results['metric']} {fmt_metric(results['target'], results['metric'])}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_noise(results: dict[str, Any], path: Path) -> None:
+    """Measured gradient noise scale B_simple over training, one line per cell."""
+    plt = _pyplot()
+    colors = _batch_colors(results)
+    fig, ax = plt.subplots(figsize=(6.4, 4.8))
+    for c in results["cells"]:
+        series = c.get("noise_scale_series") or []
+        if not series:
+            continue
+        ax.plot([e for _, e, _, _ in series], [g for _, _, g, _ in series],
+                ls=STYLES.get(c["strategy"], "-"), color=colors[c["global_batch_size"]], lw=1.2,
+                label=f"{c['strategy']} @ {c['global_batch_size']}")
+    if results["critical_batch"]:
+        ax.axhline(results["critical_batch"], color="tab:red", lw=1, ls="--",
+                   label=f"critical batch ~ {results['critical_batch']:.0f}")
+    ax.set_yscale("log")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("noise scale B_simple (samples)")
+    ax.set_title("gradient noise scale during training")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_final(results: dict[str, Any], path: Path) -> None:
+    """Final test metric vs global batch, with the baseline and the tolerance band."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.8))
+    for name in _strategies(results):
+        pts = sorted((c["global_batch_size"], c["final"]) for c in results["cells"]
+                     if c["strategy"] == name and c.get("final") is not None)
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker=MARKERS.get(name, "o"),
+                    ls=STYLES.get(name, "-"), label=name)
+    base, tol = results["baseline"], results["tolerance"]
+    if base is not None:
+        ax.axhline(base["final"], color="grey", lw=1, label="small-batch baseline")
+        edge = base["final"] - tol if results["higher_is_better"] else base["final"] + tol
+        ax.axhspan(min(edge, base["final"]), max(edge, base["final"]), color="grey", alpha=0.2,
+                   label=f"tolerance {tol:g}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("global batch size")
+    ax.set_ylabel(_metric_label(results))
+    ax.set_title(f"final test metric after {results['config']['epochs']:g} epochs")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+FIGURES = {
+    "final_metric.png": ("final test metric vs batch", plot_final),
+    "steps_to_target.png": ("steps to target vs batch", plot_steps),
+    "curves.png": ("test metric vs step", plot_curves),
+    "noise_scale.png": ("noise scale over training", plot_noise),
+}
+
+
+def plot_all(results: dict[str, Any], out: Path) -> dict[str, str]:
+    """Write every figure into `out`; returns {file name: title}."""
+    for name, (_, fn) in FIGURES.items():
+        fn(results, Path(out) / name)
+    return {name: title for name, (title, _) in FIGURES.items()}
