@@ -104,11 +104,12 @@ def preconditioned_grads(optimizer: torch.optim.Optimizer, params: Sequence[torc
     """``g / (sqrt(v_hat) + eps)`` per tensor, as `bigbatch.gns.adam_sq_norm` measures it.
 
     New tensors in the order of `params` (None gradients skipped); parameters
-    without Adam state yet stay unpreconditioned. Multi-tensor ops, no host sync.
+    without Adam state yet stay unpreconditioned. A fixed number of
+    (multi-tensor) ops whatever the parameter count, and no host sync.
     """
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     out: list[torch.Tensor | None] = []
-    at, gs, vs, roots, epss = [], [], [], [], []
+    at, gs, vs, epss, betas, steps = [], [], [], [], [], []
     for p, g in zip(params, grads, strict=True):
         if g is None:
             continue
@@ -123,33 +124,31 @@ def preconditioned_grads(optimizer: torch.optim.Optimizer, params: Sequence[torc
         gs.append(g if g.dtype == torch.float64 else g.float())
         vs.append(v)
         epss.append(float(group.get("eps", 1e-8)))
-        beta2 = float(group.get("betas", (0.9, 0.999))[1])
-        step = state.get("step", 0) if group.get("bias_correction", True) else 0
-        if isinstance(step, torch.Tensor):  # may live on the GPU: never read it on the host
-            acc = torch.float64 if v.dtype == torch.float64 else torch.float32
-            bc2 = 1.0 - torch.pow(beta2, step.to(v.device, acc))
-            roots.append(torch.where(bc2 > 0, bc2.clamp_min(0).sqrt(), 1.0))
-        else:
-            roots.append(torch.tensor(math.sqrt(1.0 - beta2**step) if step > 0 else 1.0,
-                                      dtype=v.dtype, device=v.device))
-    if gs:
-        denom = torch._foreach_sqrt(vs)
-        torch._foreach_div_(denom, roots)
-        torch._foreach_add_(denom, epss)
-        for i, t in zip(at, torch._foreach_div(gs, denom), strict=True):
-            out[i] = t
+        betas.append(float(group.get("betas", (0.9, 0.999))[1]))
+        # Step 0 (or no bias correction) gives 1 - beta2^0 = 0: no correction below.
+        steps.append(state.get("step", 0) if group.get("bias_correction", True) else 0)
+    if not gs:
+        return out  # type: ignore[return-value]
+    device = vs[0].device
+    if all(isinstance(t, torch.Tensor) for t in steps):  # may live on the GPU: never read them
+        step = torch.stack([t.reshape(()) for t in steps]).to(device, torch.float64)
+    else:
+        step = torch.tensor([float(t) for t in steps], dtype=torch.float64, device=device)
+    bc2 = 1.0 - torch.tensor(betas, dtype=torch.float64, device=device) ** step
+    roots = torch.where(bc2 > 0, bc2.clamp_min(0).sqrt(), 1.0)
+    denom = torch._foreach_sqrt(vs)
+    torch._foreach_div_(denom, list(roots.unbind()))
+    torch._foreach_add_(denom, epss)
+    for i, t in zip(at, torch._foreach_div(gs, denom), strict=True):
+        out[i] = t
     return out  # type: ignore[return-value]
 
 
-def _tensor_sq_norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Squared norm of each tensor (float64 for float64 tensors, else float32)."""
-    if not tensors:
-        return []
-    return [n.square() for n in torch._foreach_norm(list(tensors))]
-
-
-def _sum_in_order(values: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.stack([v.to(torch.float64) for v in values]).sum()
+def _tensor_sq_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Squared norm of each tensor as one float64 vector (a few ops, any dtypes)."""
+    acc = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    norms = torch._foreach_norm(list(tensors), 2, dtype=acc)
+    return torch.stack(norms).to(torch.float64).square()
 
 
 class _Consecutive(ConsecutiveSteps):
@@ -224,7 +223,7 @@ class Adaptive:
         if self.preconditioned and not run.optimizer.state:
             return  # no second moments before the first step: nothing to precondition with
         opt_factor = 1.0 if run.avg else float(run.k_steps)  # avg=false grads are k x the mean
-        if info.local_sq_norm is not None:
+        if info.has_local_sq_norm:
             self._source(biased=False)
             if self.preconditioned:
                 big = sq_norm(preconditioned_grads(run.optimizer, info.params,
@@ -233,8 +232,8 @@ class Adaptive:
                 big = info.global_sq_norm()
             small_b, big_b = float(info.local_batch), float(info.global_batch)
             if 0 < small_b < big_b:
-                self._pending.append((info.step, info.local_sq_norm, big, small_b, big_b,
-                                      opt_factor**2))
+                # The GradInfo itself: its local norm's all-reduce is waited for at flush.
+                self._pending.append((info.step, info, big, small_b, big_b, opt_factor**2))
         else:
             self._source(biased=True)
             if self.preconditioned:
@@ -264,6 +263,8 @@ class Adaptive:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
+        pending = [(row[0], row[1].local_sq_norm, *row[2:]) if hasattr(row[1], "local_sq_norm")
+                   else row for row in pending]
         tensors = [x for row in pending for x in row[1:3] if isinstance(x, torch.Tensor)]
         values = iter(torch.stack([t.detach().to(torch.float64) for t in tensors]).tolist()
                       if tensors else [])
@@ -416,7 +417,7 @@ def _install_local_norms(run: Run, preconditioned: bool) -> None:
 
     DDP regroups its buckets after the first step of every run, so a sum over
     buckets would change its rounding after a resume. Each parameter's squared
-    norm goes to its own slot and the slots are summed in parameter order.
+    norm goes to its own slot of a vector summed in parameter order.
     """
     opt = run.optimizer
     if preconditioned:
@@ -426,18 +427,21 @@ def _install_local_norms(run: Run, preconditioned: bool) -> None:
     if comm is None or not comm.measure_local:
         return
     index = {id(p): i for i, p in enumerate(run._params)}
-    slots: dict[int, torch.Tensor] = {}
+    slots = torch.zeros(len(run._params), dtype=torch.float64, device=run.world.device)
+    where: dict[tuple[int, ...], torch.Tensor] = {}  # bucket's parameters -> their slots
     inner, inner_state = comm.inner, comm.inner_state
 
     def hook(_state: Any, bucket: Any) -> Any:
         # Before the inner hook divides or reduces the bucket in place (still loss-scaled).
         if comm.local_sq is None:  # taken by the engine: a new optimizer step
-            slots.clear()
+            slots.zero_()
         params, grads = bucket.parameters(), bucket.gradients()
+        key = tuple(index[id(p)] for p in params)
+        if key not in where:
+            where[key] = torch.tensor(key, dtype=torch.long, device=slots.device)
         pre = preconditioned_grads(opt, params, grads) if preconditioned else grads
-        for p, sq in zip(params, _tensor_sq_norms(pre), strict=True):
-            slots[index[id(p)]] = sq
-        comm.local_sq = _sum_in_order([slots[i] for i in sorted(slots)])
+        slots.index_copy_(0, where[key], _tensor_sq_norms(pre))
+        comm.local_sq = slots.sum()
         return inner(inner_state, bucket)
 
     comm.measure_local = False  # the engine's per-bucket sum is replaced by `hook`

@@ -37,22 +37,43 @@ class GradInfo:
     """
 
     def __init__(self, run: Run, params: list[torch.Tensor], local_sq_norm: torch.Tensor | None,
-                 local_batch: float | None, global_batch: float) -> None:
+                 local_batch: float | None, global_batch: float,
+                 pending: tuple[Any, float] | None = None) -> None:
         self.run = run
         self.step = run.step
         """Optimizer step about to be taken (0-based)."""
         self.params = params
         """Parameters whose `.grad` the optimizer will use (unscaled, all-reduced)."""
-        self.local_sq_norm = local_sq_norm
-        """Squared norm of a small-batch gradient, in the optimizer gradient's units.
-        Under DDP: each worker's merged gradient before the all-reduce, |g_w|^2
-        averaged over workers. One worker with k > 1: the first micro-step's
-        gradient. None otherwise, or when measurement is off (`prepare(local_grad_norm=)`)."""
+        self._local_sq = local_sq_norm
+        self._pending = pending  # (work handle of the sum over workers, divisor)
         self.local_batch = local_batch
         """Items behind the small-batch gradient (mean over workers); None with no norm."""
         self.global_batch = global_batch
         """Items behind the reduced gradient."""
         self._global_sq: torch.Tensor | None = None
+
+    @property
+    def local_sq_norm(self) -> torch.Tensor | None:
+        """Squared norm of a small-batch gradient, in the optimizer gradient's units.
+
+        Under DDP: each worker's merged gradient before the all-reduce, |g_w|^2
+        averaged over workers (the scalar all-reduce was started when this
+        GradInfo was made; reading waits for it). One worker with k > 1: the
+        first micro-step's gradient. None otherwise, or when measurement is off
+        (`prepare(local_grad_norm=)`).
+        """
+        if self._pending is not None:
+            work, divisor = self._pending
+            if work is not None:
+                work.wait()
+            self._local_sq = self._local_sq / divisor
+            self._pending = None
+        return self._local_sq
+
+    @property
+    def has_local_sq_norm(self) -> bool:
+        """Whether `local_sq_norm` is measured this step (without waiting for it)."""
+        return self._local_sq is not None
 
     def grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
@@ -65,8 +86,13 @@ class GradInfo:
 
 
 def small_batch_sq_norm(run: Run, local_raw: torch.Tensor | None, local_count: Any,
-                        total_count: Any) -> tuple[torch.Tensor | None, float | None, float]:
-    """(small-batch |g|^2, its item count, the global item count) for this step.
+                        total_count: Any) -> tuple[torch.Tensor | None, float | None, float,
+                                                   tuple[Any, float] | None]:
+    """(small-batch |g|^2, its item count, the global item count, pending) for this step.
+
+    Under DDP the first value is still this worker's alone: its sum over
+    workers is started asynchronously and `pending` = (work, W) says how to
+    finish it (wait, divide); `GradInfo.local_sq_norm` does that on first read.
 
     `local_raw` is the comm hook's sum of squared bucket norms (still loss-scaled
     and carrying the engine's loss multipliers). Small-batch norms are reported
@@ -88,8 +114,7 @@ def small_batch_sq_norm(run: Run, local_raw: torch.Tensor | None, local_count: A
             unit = scale
             local_batch = float(run.plan.micro_batch_size * k)
         local_sq = local_raw / (unit * unit)
-        all_reduce_sum(local_sq)
-        return local_sq / W, local_batch, global_batch
+        return local_sq, local_batch, global_batch, (all_reduce_sum(local_sq, async_op=True), W)
     if run._first_sq is not None:  # one worker with merge: the first micro-step
         if count_mode:
             first = float(run._first_count)
@@ -98,5 +123,5 @@ def small_batch_sq_norm(run: Run, local_raw: torch.Tensor | None, local_count: A
         else:
             unit = scale * run._mean_mult / opt_factor
             local_batch = float(run.plan.micro_batch_size)
-        return run._first_sq / (unit * unit), local_batch, global_batch
-    return None, None, global_batch
+        return run._first_sq / (unit * unit), local_batch, global_batch, None
+    return None, None, global_batch, None

@@ -59,7 +59,11 @@ Training length and the `[adaptive]` section (glue in `bigbatch._adaptive`):
   batch; it then replaces `run.plan` (and `run.k_steps`) *between* optimizer
   steps, right after the step that decided, and appends
   ``{step, old, new, micro_batch_size, k_steps, reason}`` to
-  `run.batch_size_changes` (logged on logger ``bigbatch.adaptive``).
+  `run.batch_size_changes` (logged on logger ``bigbatch.adaptive``). Step times
+  are the seconds inside the step's micro-step blocks (`run.last_step_seconds`:
+  forward, backward, sync, optimizer; data loading excluded).
+- The noise scale needs the plain mean of the workers' gradients:
+  ``data_parallel.reduce = "adasum"`` with any of these is a ConfigError.
 
 The data contract of an adaptive batch size: the loop reads `run.plan` after
 every optimizer step (`ms.stepped`) and, when `plan.global_batch_size` or
@@ -68,7 +72,8 @@ for the new global batch of `k_steps` micro-batches of `micro_batch_size` per
 worker, keeping its position in the epoch (counted in samples). The micro batch
 never exceeds the configured one (the memory limit). After
 `run.load_state_dict()` the plan is the checkpoint's: build the loader from
-`run.plan`, not from `strategy.resolve()`. The training length then stays that
+`run.plan`, not from `strategy.resolve()`. Cap the batch at the data set with
+`run.adaptive.limit_batch_size(len(train_set))`. The training length stays that
 of `total_steps` configured-batch steps (progress advances by
 ``new_global / configured_global`` per step), so loop on `run.done`.
 """
@@ -274,9 +279,9 @@ class Run:
 
     def _run_hooks(self, local_raw: torch.Tensor | None, local_count: float,
                    total_count: float) -> GradInfo:
-        local_sq, local_batch, global_batch = small_batch_sq_norm(self, local_raw, local_count,
-                                                                  total_count)
-        info = GradInfo(self, self._params, local_sq, local_batch, global_batch)
+        local_sq, local_batch, global_batch, pending = small_batch_sq_norm(
+            self, local_raw, local_count, total_count)
+        info = GradInfo(self, self._params, local_sq, local_batch, global_batch, pending)
         for hook in self.grad_hooks:
             hook(info)
         return info
