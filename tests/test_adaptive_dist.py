@@ -161,3 +161,23 @@ def test_goodput_decision_is_rank_zeros_on_every_worker(results):
     assert changes0 == changes1 and plan0 == plan1
     assert [c["new"] for c in changes0] == [32] and plan0.k_steps == 1 and plan0.micro_batch_size == 16
     assert own0 == 32 and own1 > 32  # alone, rank 1 would have grown the batch
+
+
+@pytest.mark.slow
+def test_gns_command_relaunches_two_workers(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "gns.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bigbatch.gns_probe", "--nproc", "2", "--task-opt",
+         "num_samples=800", "--task-opt", f"cache_dir='{tmp_path}'", "--steps", "12",
+         "--points", "2", "--steps-per-point", "4", "--json", str(out)],
+        capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "2 worker(s)" in proc.stdout and "critical batch" in proc.stdout
+    got = json.loads(out.read_text())
+    assert got["world_size"] == 2 and [p["step"] for p in got["points"]] == [4, 12]
+    assert not any(p["biased"] for p in got["points"])  # local vs all-reduced: unbiased
