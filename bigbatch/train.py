@@ -355,7 +355,8 @@ class _Trainer:
             "time_s": {"steps": step_time, "compute": timer["compute"], "eval": timer["eval"],
                        "checkpoint": timer["checkpoint"]},
             "overhead_share": 1.0 - timer["compute"] / step_time if step_time > 0 else None,
-            "reference": reference(task.recipe(self.model_name), self.epoch, task.metric),
+            "reference": (reference(task.recipe(self.model_name), self.epoch, task.metric)
+                          if task.default_options else None),
             "strategy": self.strategy.to_dict(),
         }
         U.sync_buffers(run.module, self.world)

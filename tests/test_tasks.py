@@ -232,3 +232,10 @@ def test_charlm_bad_options():
         get_task("charlm", seq_len=16, variable_length=True, min_length=17)
     with pytest.raises(ConfigError, match="n_head"):
         get_task("charlm", d_model=30, n_head=4).build_model()
+
+
+def test_references_apply_to_default_options_only(mnist):
+    assert not mnist.default_options  # num_samples=200: the measured baselines do not apply
+    lm = get_task("charlm", seq_len=64)
+    assert lm.default_options and lm.recipe().reference is not None
+    assert not get_task("charlm", seq_len=32).default_options

@@ -274,3 +274,17 @@ def test_two_workers_equal_one_worker_with_gradient_merge(tmp_path):
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
     assert one["test_loss"] == pytest.approx(two["test_loss"], rel=1e-5)
+
+
+def test_closing_line_names_the_small_batch_baseline():
+    from bigbatch._progress import closing_line, reference
+
+    recipe = get_task("mnist1d", **SMALL).recipe("cnn")
+    s = {"metric": "accuracy", "test_accuracy": 0.99, "epochs": 16.0, "global_batch_size": 4096,
+         "optimizer": "LARS", "world_size": 2, "wall_time_s": 40.0,
+         "reference": reference(recipe, 16.0, "accuracy")}
+    line = closing_line(s)
+    assert "test accuracy 99.00% after 16 epochs at global batch 4096 (LARS, 2 worker(s)" in line
+    assert "small-batch baseline: 99.31% at batch 128 (momentum, same epochs)" in line
+    assert reference(recipe, 8.0, "accuracy") is None
+    assert "no small-batch baseline" in closing_line({**s, "reference": None})

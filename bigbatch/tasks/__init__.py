@@ -35,11 +35,14 @@ def task_class(name: str) -> type[Task]:
 def get_task(name: str, **options) -> Task:
     """Build task `name` with constructor `options` (ConfigError on unknown names or options)."""
     cls = task_class(name)
-    allowed = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-    unknown = sorted(set(options) - set(allowed))
+    params = {k: p for k, p in inspect.signature(cls.__init__).parameters.items() if k != "self"}
+    unknown = sorted(set(options) - set(params))
     if unknown:
         raise ConfigError(
             f"task option {unknown[0]!r} is not an option of task {name!r}; "
-            f"valid: {', '.join(allowed)}"
+            f"valid: {', '.join(params)}"
         )
-    return cls(**options)
+    task = cls(**options)
+    # Measured baselines hold for the default data and model sizes only.
+    task.default_options = all(params[k].default == v for k, v in options.items())
+    return task

@@ -66,6 +66,8 @@ class Task(abc.ABC):
 
     train_set: TensorDataset
     test_set: TensorDataset
+    default_options: bool = True
+    """Built with default options (data and model sizes): the recipes' references apply."""
 
     @abc.abstractmethod
     def build_model(self, name: str | None = None) -> nn.Module:

@@ -30,19 +30,23 @@ _RECIPES = {
         momentum=0.9,
         weight_decay=0.01,
         warmup_epochs=0.25,
-        reference=None,
+        reference=1.9295,
+        reference_note="AdamW, batch 16, lr 2e-3, 4 epochs, seq_len 64: held-out bits/char",
     ),
 }
 
 
 DEMO_STRATEGY = """\
-# bigbatch train's default on charlm: LAMB at global batch 512, 32x the AdamW
-# recipe (batch 16, lr 2e-3), square-root LR scaling with warmup.
+# bigbatch train's default on charlm: LAMB at global batch 128, 8x the AdamW
+# recipe (batch 16, lr 2e-3), linear LR scaling with a one-epoch warmup. In the
+# recipe's 4 epochs this reaches about 2.7 bits/char against the recipe's 1.93:
+# 204 steps are too few for this Transformer (measured: peak LR 0.016 beat
+# 0.032 and 0.064; batch 512 reached only 3.9).
 [batch]
-global_batch_size = 512
+global_batch_size = 128
 base_batch_size = 16
 base_lr = 0.002
-scaling = "sqrt"
+scaling = "linear"
 warmup_epochs = 1
 decay = "cosine"
 
