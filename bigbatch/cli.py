@@ -1,4 +1,4 @@
-"""Command-line entry point: `bigbatch train ...`.
+"""Command-line entry point: `bigbatch train | study | gns ...`.
 
 User mistakes (bad flags, a missing config file, an unknown task, a resume
 directory without a checkpoint) print one line on stderr and exit with status 2.
@@ -123,7 +123,22 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--rdzv-id", help="job id for the rendezvous (torchrun)")
     launch.add_argument("--max-restarts", type=_nonneg_int,
                         help="restarts of the worker group on failure (torchrun)")
+    _add_other_commands(sub)
     return parser
+
+
+def _add_other_commands(sub) -> None:
+    """`study` (bigbatch.study) and `gns` (bigbatch.gns_probe): their flags live with them."""
+    from bigbatch._study_cli import add_study_arguments
+    from bigbatch.gns_probe import add_gns_arguments
+
+    add_study_arguments(sub.add_parser(
+        "study", help="batch-size scaling study and its report",
+        description="Train every (strategy, global batch) cell at a fixed epoch budget and "
+        "write a report: table, figures, noise scale."))
+    add_gns_arguments(sub.add_parser(
+        "gns", help="measure the gradient noise scale (critical batch) of a task",
+        description="Measure the gradient noise scale over training and the critical batch."))
 
 
 def _literal(raw: str):
@@ -274,7 +289,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    if args.command == "study":
+        from bigbatch.study import run_study_command
+
+        return run_study_command(args)
     try:
+        if args.command == "gns":
+            from bigbatch.gns_probe import run_gns_command
+
+            return run_gns_command(args)
         config, strategy = resolve(args)
         if args.nproc in (None, "auto"):
             args.nproc = default_nproc() if not under_launcher() else 1

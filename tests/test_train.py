@@ -288,3 +288,11 @@ def test_closing_line_names_the_small_batch_baseline():
     assert "small-batch baseline: 99.31% at batch 128 (momentum, same epochs)" in line
     assert reference(recipe, 8.0, "accuracy") is None
     assert "no small-batch baseline" in closing_line({**s, "reference": None})
+
+
+def test_other_commands_are_dispatched(capsys):
+    assert main(["study", "--batches", "x"]) == 2
+    assert "bigbatch study: error: --batches='x'" in capsys.readouterr().err
+    assert main(["gns", "--nproc", "0"]) == 2
+    assert "bigbatch gns: error: --nproc=0" in capsys.readouterr().err
+    assert main([]) == 2 and "train" in capsys.readouterr().err
