@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -33,6 +34,25 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         # One line, not argparse's usage block: the message is what the user needs.
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+class _StderrHandler(logging.Handler):
+    # Looks up sys.stderr at each record: a live progress bar swaps it to keep itself whole.
+    def emit(self, record: logging.LogRecord) -> None:
+        print(self.format(record), file=sys.stderr, flush=True)
+
+
+def _setup_logging() -> None:
+    """bigbatch's INFO messages (data generation, batch-size changes) as plain stderr lines,
+    unless the process has configured logging itself."""
+    logger = logging.getLogger("bigbatch")
+    if logging.getLogger().handlers or logger.handlers:
+        return
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
 
 
 def _positive_int(text: str) -> int:
@@ -289,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    _setup_logging()
     if args.command == "study":
         from bigbatch.study import run_study_command
 

@@ -7,6 +7,7 @@ download; they are generated once per parameter set and cached as a `.pt` file.
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 import random
 import time
@@ -21,6 +22,8 @@ from torch.utils.data import TensorDataset
 from bigbatch.checkpoint import atomic_save
 from bigbatch.errors import ConfigError
 from bigbatch.tasks._base import Recipe, Reduce, Task, cache_dir, eval_sums, params_hash
+
+log = logging.getLogger("bigbatch.tasks")
 
 SEQ_LEN = 40
 NUM_CLASSES = 10
@@ -131,6 +134,7 @@ def load_data(
                 return blob["tensors"], path, False
         except Exception:  # a corrupt or foreign file: regenerate over it
             pass
+    log.info("generating MNIST-1D (%d samples, seed %d) once; cache: %s", num_samples, seed, path)
     t0 = time.perf_counter()
     args = generation_args(num_samples, seed)
     tensors = _generate(args)
