@@ -89,8 +89,13 @@ def _cell_record(cell: Any, state: dict[str, Any], metric: str) -> dict[str, Any
                                  for d in lines if d.get("kind") == "train" and d.get("gns")]
     rec["adascale_gain"] = [[d["step"], d["adascale_gain"]] for d in lines
                             if d.get("kind") == "train" and d.get("adascale_gain") is not None]
-    late = [g for _, e, g, _ in rec["noise_scale_series"] if e >= 0.5 * (rec["epochs"] or 0)]
-    rec["noise_scale"] = statistics.median(late) if late else None
+    # Ratio of the means of the two unbiased estimates over the second half (McCandlish et al.).
+    late = [(d["gns_trace"], d["gns_sq_norm"]) for d in lines
+            if d.get("kind") == "train" and d.get("gns_trace") is not None
+            and d.get("gns_sq_norm") and d["epoch"] >= 0.5 * (rec["epochs"] or 0)]
+    mean_g = statistics.fmean(g for _, g in late) if late else 0.0
+    rec["noise_scale"] = (max(statistics.fmean(t for t, _ in late), 0.0) / mean_g
+                          if mean_g > 0 else None)
     rec["noise_scale_biased"] = any(b for *_, b in rec["noise_scale_series"])
     return rec
 
@@ -105,6 +110,26 @@ def _baseline(cells: list[dict[str, Any]], recipe: Any) -> dict[str, Any] | None
         return at_base[0]
     pool = sgd or done
     return min(pool, key=lambda c: c["global_batch_size"])
+
+
+HEALTHY = 4.0
+"""A cell within HEALTHY x tolerance of the baseline trained well enough to measure its noise."""
+
+
+def _critical_batch(cells, base, tol, higher) -> tuple[float | None, str]:
+    """Median late-training noise scale over the cells that trained well (a diverged run's
+    gradients say nothing about the good trajectory), unbiased estimates first."""
+    measured = [c for c in cells if c.get("noise_scale")]
+    healthy = [c for c in measured if base is not None
+               and _loss_vs(c["final"], base["final"], higher) <= HEALTHY * tol]
+    for pool, label in ((healthy, "well-trained cells"), (measured, "all cells")):
+        unbiased = [c["noise_scale"] for c in pool if not c.get("noise_scale_biased")]
+        if unbiased:
+            return statistics.median(unbiased), f"{label}, unbiased estimates ({len(unbiased)})"
+        if pool:
+            return (statistics.median(c["noise_scale"] for c in pool),
+                    f"{label}, biased estimates ({len(pool)})")
+    return None, "none"
 
 
 def _loss_vs(value: float, base: float, higher: bool) -> float:
@@ -161,10 +186,10 @@ def _claim_scaling(cells, b_crit) -> dict[str, Any]:
             b1, b2 = c1["global_batch_size"], c2["global_batch_size"]
             bound = s2 is None  # not reached in its budget: efficiency at most this
             eff = (s1 / (s2 if s2 is not None else c2["steps"])) / (b2 / b1)
-            region = "below" if b2 <= b_crit else "above" if b1 >= b_crit else "across"
+            region = "below" if math.sqrt(b1 * b2) <= b_crit else "above"
             claim["pairs"].append({"strategy": name, "from": b1, "to": b2, "efficiency": eff,
                                    "upper_bound": bound, "region": region})
-            (below if region == "below" else above if region == "above" else []).append(eff)
+            (below if region == "below" else above).append(eff)
     parts, verdicts = [], []
     if below:
         m = statistics.fmean(below)
@@ -212,10 +237,7 @@ def collect(c: Any, task: Any, recipe: Any, cells: list[Any], status: dict[str, 
             spe = r["steps"] / r["epochs"] if r.get("epochs") else None
             r["epochs_to_target"] = (r["steps_to_target"] / spe
                                      if r["steps_to_target"] is not None and spe else None)
-    unbiased = [r["noise_scale"] for r in records
-                if r.get("noise_scale") and not r.get("noise_scale_biased")]
-    pool = unbiased or [r["noise_scale"] for r in records if r.get("noise_scale")]
-    b_crit = statistics.median(pool) if pool else None
+    b_crit, b_from = _critical_batch(records, base, tol, higher)
     fits = {}
     for name in c.strategies:
         pts = [(r["global_batch_size"], r["steps_to_target"]) for r in records
@@ -233,7 +255,7 @@ def collect(c: Any, task: Any, recipe: Any, cells: list[Any], status: dict[str, 
         "baseline": None if base is None else {"strategy": base["strategy"], "final": base["final"],
                                                "global_batch_size": base["global_batch_size"]},
         "target": target, "tolerance": tol,
-        "critical_batch": b_crit, "critical_batch_from": "unbiased" if unbiased else "biased",
+        "critical_batch": b_crit, "critical_batch_from": b_from,
         "fits": fits, "cells": records,
         "claims": [_claim_accuracy(records, base, tol, higher), _claim_scaling(records, b_crit)],
         "total_wall_s": sum(r.get("wall_time_s") or 0.0 for r in records),
@@ -307,14 +329,16 @@ def markdown(results: dict[str, Any], figures: dict[str, str]) -> str:
                      f"; tolerance for keeping accuracy: {results['tolerance']:g}.")
     lines += ["", table(results), "",
               "Steps to target are interpolated linearly between the two test evaluations "
-              "around the first crossing. Noise scale: median of B_simple (McCandlish et al. "
-              "2018) over the second half of training, in samples; * marks the biased "
-              "consecutive-steps estimate (cells without gradient merge).", ""]
+              "around the first crossing. Noise scale: B_simple = tr(Sigma)/|G|^2 (McCandlish et "
+              "al. 2018) as the ratio of the means of its two estimates over the second half "
+              "of training, in samples; * marks the biased consecutive-steps estimate (cells "
+              "without gradient merge). A pair of batches counts as below the critical batch "
+              "when their geometric mean is.", ""]
     bc = results["critical_batch"]
     lines += ["## What this run found", ""]
     if bc is not None:
-        lines.append(f"Measured critical batch (median noise scale over cells, "
-                     f"{results['critical_batch_from']} estimates): **{bc:.0f}** samples.")
+        lines.append(f"Measured critical batch (median late-training noise scale over "
+                     f"{results['critical_batch_from']}): **{bc:.0f}** samples.")
     for name, fit in results["fits"].items():
         if fit:
             lines.append(f"Fit of S = S_min (1 + B_noise/B) to {name}'s steps to target: S_min = "

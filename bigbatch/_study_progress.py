@@ -32,9 +32,10 @@ def last_epoch(metrics: Path) -> float:
 
 
 class StudyProgress:
-    """A rich bar on a terminal, one line per cell otherwise; `enabled=False` shows nothing."""
+    """A rich bar on a terminal, else (or with `bar=False`) one line per cell start and end;
+    `enabled=False` shows nothing."""
 
-    def __init__(self, cells: list[Any], epochs: float, *, enabled: bool = True,
+    def __init__(self, cells: list[Any], epochs: float, *, enabled: bool = True, bar: bool = True,
                  stream: TextIO | None = None, poll_s: float = 0.5):
         self.stream = stream if stream is not None else sys.stderr  # before any redirect
         self.enabled, self.epochs, self.n = enabled, float(epochs), len(cells)
@@ -44,7 +45,7 @@ class StudyProgress:
         self._bar = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        if enabled and self.stream.isatty():
+        if enabled and bar and self.stream.isatty():
             from rich.console import Console
             from rich.progress import (
                 BarColumn,

@@ -18,15 +18,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import subprocess
 import sys
 import time
-import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from bigbatch._study_cli import (
+    add_study_arguments,
+    config_from_args,
+)
 from bigbatch.errors import ConfigError
 
 STRATEGIES = ("sgd", "lars", "lamb", "adascale")
@@ -44,10 +48,10 @@ LARS_DEFAULT = {"lars_coeff": 0.01, "base_lr": 0.1}
 LAMB_DEFAULT = {"base_lr": 0.01, "weight_decay": 0.01}
 
 QUICK = {  # per task: a grid that finishes in a few minutes on 2 CPU cores
-    "mnist1d": {"model": "cnn", "task_options": {"num_samples": 20000}, "epochs": 8,
-                "batches": [64, 256, 1024, 4096], "strategies": ["sgd", "lars"]},
+    "mnist1d": {"model": "cnn", "task_options": {"num_samples": 10000}, "epochs": 8,
+                "batches": [32, 128, 512, 2048], "strategies": ["sgd", "lars"], "threads": 1},
     "charlm": {"task_options": {"d_model": 64, "n_layer": 1, "seq_len": 32}, "epochs": 1,
-               "batches": [16, 64, 256, 1024], "strategies": ["sgd", "lamb"]},
+               "batches": [16, 64, 256, 1024], "strategies": ["sgd", "lamb"], "threads": 1},
 }
 
 
@@ -83,10 +87,13 @@ class StudyConfig:
     """Seed of every cell (same init and data order)."""
     nproc: int = 1
     """Workers per cell; > 1 launches `bigbatch train` through torchrun."""
+    threads: int | None = None
+    """torch threads per worker (OMP_NUM_THREADS); None: torch's default. On a shared CPU
+    use 1: oversubscribed OpenMP threads spin, and small models gain little from more."""
     out: str = "runs/study"
     """Output directory."""
     progress: bool = True
-    """Show overall progress."""
+    """Show a live progress bar on a terminal (else one line per cell)."""
 
     def __post_init__(self) -> None:
         if self.batches is not None:
@@ -98,48 +105,15 @@ class StudyConfig:
             if bad or not self.strategies:
                 raise ConfigError(f"strategies={bad or '[]'}: unknown; valid: {', '.join(STRATEGIES)}")
             self.strategies = list(dict.fromkeys(self.strategies))
-        for name, low in (("micro_batch_size", 1), ("evals_per_epoch", 1), ("nproc", 1)):
-            if getattr(self, name) < low:
+        for name, low in (("micro_batch_size", 1), ("evals_per_epoch", 1), ("nproc", 1),
+                          ("threads", 1)):
+            if getattr(self, name) is not None and getattr(self, name) < low:
                 raise ConfigError(f"{name}={getattr(self, name)} is out of range; allowed: >= {low}")
         if self.epochs is not None and not self.epochs > 0:
             raise ConfigError(f"epochs={self.epochs} is out of range; allowed: > 0")
         for key in self.overrides:
             if key != "all" and key not in STRATEGIES:
                 raise ConfigError(f"--set {key}:...: unknown strategy; valid: all, {', '.join(STRATEGIES)}")
-
-
-def parse_batches(text: str) -> list[int]:
-    """`"64,256,1024"` -> `[64, 256, 1024]` (ConfigError naming the bad item)."""
-    out = []
-    for item in text.split(","):
-        try:
-            value = int(item.strip())
-        except ValueError:
-            raise ConfigError(f"--batches={text!r}: {item.strip()!r} is not an integer; "
-                              "expected e.g. 64,256,1024") from None
-        if value < 1:
-            raise ConfigError(f"--batches={text!r}: {value} is out of range; allowed: >= 1")
-        out.append(value)
-    return out
-
-
-def parse_strategies(text: str) -> list[str]:
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    for s in names or [text]:
-        if s not in STRATEGIES:
-            raise ConfigError(f"--strategies={text!r}: {s!r} is not a strategy; "
-                              f"valid: {', '.join(STRATEGIES)}")
-    return names
-
-
-def parse_overrides(items: list[str]) -> dict[str, list[str]]:
-    """`["lars:lars.lars_coeff=0.02", "batch.warmup_epochs=1"]` -> per-strategy lists."""
-    out: dict[str, list[str]] = {}
-    for item in items:
-        head, colon, rest = item.partition(":")
-        key, body = (head.strip(), rest) if colon and "=" not in head else ("all", item)
-        out.setdefault(key, []).append(body.strip())
-    return out
 
 
 # ----------------------------------------------------------------- the cells
@@ -292,7 +266,7 @@ def _isolated():
         torch.set_grad_enabled(saved[4])
 
 
-def _run_in_process(cell: Cell, resume: bool) -> None:
+def _run_in_process(cell: Cell, resume: bool, threads: int | None = None) -> None:
     from bigbatch.train import TrainConfig, train
 
     spec = cell.spec
@@ -302,6 +276,10 @@ def _run_in_process(cell: Cell, resume: bool) -> None:
                          resume=resume, progress=False, tensorboard=False, keep_checkpoints=1,
                          **extra)
     with _isolated(), open(cell.dir / "train.log", "a") as log, contextlib.redirect_stderr(log):
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
         train(config, cell.strategy)
 
 
@@ -325,15 +303,17 @@ def train_command(cell: Cell, resume: bool) -> list[str]:
     return cmd + (["--resume"] if resume else [])
 
 
-def _run_subprocess(cell: Cell, resume: bool) -> None:
+def _run_subprocess(cell: Cell, resume: bool, threads: int | None = None) -> None:
     (cell.dir / CELL_STRATEGY).write_text(cell.strategy.to_toml())
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     with open(cell.dir / "train.log", "a") as log:
-        rc = subprocess.call(train_command(cell, resume), stdout=log, stderr=subprocess.STDOUT)
+        rc = subprocess.call(train_command(cell, resume), stdout=log, stderr=subprocess.STDOUT,
+                             env=env)
     if rc != 0:
         raise RuntimeError(f"bigbatch train exited with status {rc} (see {cell.dir / 'train.log'})")
 
 
-def run_cell(cell: Cell) -> dict[str, Any]:
+def run_cell(cell: Cell, threads: int | None = None) -> dict[str, Any]:
     """Train one cell (resuming an interrupted one); returns its status record."""
     cell.dir.mkdir(parents=True, exist_ok=True)
     resume = _resumable(cell)
@@ -341,7 +321,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     (cell.dir / PENDING_FILE).write_text(json.dumps(cell.spec, indent=1) + "\n")
     t0 = time.perf_counter()
     try:
-        (_run_in_process if cell.spec["nproc"] == 1 else _run_subprocess)(cell, resume)
+        (_run_in_process if cell.spec["nproc"] == 1 else _run_subprocess)(cell, resume, threads)
     except ConfigError:
         raise
     except Exception as e:  # one broken cell must not lose the others
@@ -369,10 +349,10 @@ def run_study(config: StudyConfig, *, run_missing: bool = True,
         if cell not in todo:
             status[cell.dir.name] = {"status": "kept"}
     if run_missing and todo:
-        with StudyProgress(todo, c.epochs, enabled=c.progress) as progress:
+        with StudyProgress(todo, c.epochs, bar=c.progress) as progress:
             for cell in todo:
                 progress.start(cell)
-                status[cell.dir.name] = record = run_cell(cell)
+                status[cell.dir.name] = record = run_cell(cell, c.threads)
                 progress.done(cell, record)
     elif todo:
         for cell in todo:
@@ -383,105 +363,6 @@ def run_study(config: StudyConfig, *, run_missing: bool = True,
 
 
 # ----------------------------------------------------------------- command line
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-
-
-def add_study_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `bigbatch study` (the CLI adds a subparser and calls this)."""
-    a = parser.add_argument
-    a("--config", metavar="FILE", help="study TOML: a [study] table with these flags' keys, "
-      "and [set] lists of overrides per strategy (flags given here win)")
-    a("--task", help="built-in task: mnist1d (default) or charlm")
-    a("--model", help="model of the task (default: the task's)")
-    a("--task-opt", dest="task_options", metavar="KEY=VALUE", action="append", default=[],
-      help="task option, e.g. num_samples=20000 (repeatable)")
-    a("--batches", metavar="B1,B2,...", help="global batch sizes (default: base x 1,4,16,64)")
-    a("--strategies", metavar="S1,S2", help=f"of {', '.join(STRATEGIES)} (default: sgd and "
-      "lars, or lamb for an AdamW recipe)")
-    a("--epochs", type=_float, help="epoch budget of every cell (default: the recipe's)")
-    a("--target", type=_float, help="test-metric target for steps-to-target "
-      "(default: the small-batch baseline's final value minus 1 point / plus 0.05 bpc)")
-    a("--tolerance", type=_float, help="allowed loss vs the baseline for 'keeps accuracy' "
-      "(default 0.005 accuracy, 0.02 bpc)")
-    a("--micro-batch", dest="micro_batch_size", type=_positive_int, metavar="N",
-      help="per-worker micro-batch; larger batches merge gradients (default 128)")
-    a("--warmup-epochs", type=_float, help="warmup of the scaled strategies (default epochs/8)")
-    a("--evals-per-epoch", type=_positive_int, metavar="N", help="test evaluations per epoch "
-      "(default 4; needs train's --eval-every)")
-    a("--set", dest="overrides", metavar="[STRATEGY:]SECTION.KEY=VALUE", action="append",
-      default=[], help="override a strategy key in every cell, or in one strategy's cells")
-    a("--seed", type=int, help="seed of every cell (default 0)")
-    a("--nproc", type=_positive_int, metavar="N", help="workers per cell (default 1: in-process)")
-    a("--out", help="output directory (default runs/study)")
-    a("--quick", action="store_true", help="a small grid that runs in minutes on 2 CPU cores")
-    a("--report-only", action="store_true", help="write the report from finished cells only")
-    a("--no-progress", action="store_true", help="no progress display")
-
-
-def config_from_args(args: argparse.Namespace) -> StudyConfig:
-    """Defaults < --quick preset < --config file < flags."""
-    values: dict[str, Any] = {}
-    task = args.task
-    file: dict[str, Any] = {}
-    if args.config is not None:
-        try:
-            file = tomllib.loads(Path(args.config).read_text())
-        except OSError as e:
-            raise ConfigError(f"--config {args.config}: {e.strerror}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"--config {args.config}: {e}") from None
-        unknown = set(file) - {"study", "set"}
-        if unknown:
-            raise ConfigError(f"--config: unknown table [{sorted(unknown)[0]}]; valid: [study], [set]")
-        task = task or file.get("study", {}).get("task")
-    if args.quick:
-        values.update(QUICK.get(task or "mnist1d", {}))
-    study = dict(file.get("study", {}))
-    known = {f.name for f in fields(StudyConfig)}
-    for key in study:
-        if key not in known:
-            raise ConfigError(f"--config: unknown key study.{key}; valid: {', '.join(sorted(known))}")
-    values.update(study)
-    overrides = {k: list(v) for k, v in file.get("set", {}).items()}
-    for key, items in parse_overrides(args.overrides).items():
-        overrides.setdefault(key, []).extend(items)
-    if overrides:
-        values["overrides"] = overrides
-    if args.task_options:
-        from bigbatch.cli import _parse_options
-
-        values["task_options"] = _parse_options(args.task_options)
-    given = {"task": args.task, "model": args.model, "epochs": args.epochs, "target": args.target,
-             "tolerance": args.tolerance, "micro_batch_size": args.micro_batch_size,
-             "warmup_epochs": args.warmup_epochs, "evals_per_epoch": args.evals_per_epoch,
-             "seed": args.seed, "nproc": args.nproc, "out": args.out,
-             "batches": parse_batches(args.batches) if args.batches else None,
-             "strategies": parse_strategies(args.strategies) if args.strategies else None}
-    values.update({k: v for k, v in given.items() if v is not None})
-    if args.no_progress:
-        values["progress"] = False
-    if args.quick and "out" not in values:
-        values["out"] = "runs/study-quick"
-    try:
-        return StudyConfig(**values)
-    except TypeError as e:  # a wrongly typed value from the file
-        raise ConfigError(f"--config: {e}") from None
 
 
 def run_study_command(args: argparse.Namespace) -> int:

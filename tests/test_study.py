@@ -46,9 +46,9 @@ def _counting(monkeypatch):
     calls = []
     original = S._run_in_process
 
-    def spy(cell, resume):
+    def spy(cell, resume, threads=None):
         calls.append((cell.dir.name, resume))
-        original(cell, resume)
+        original(cell, resume, threads)
 
     monkeypatch.setattr(S, "_run_in_process", spy)
     return calls

@@ -1,0 +1,157 @@
+"""Flags of `bigbatch study` and the StudyConfig they make (defaults < --quick < --config < flags)."""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from bigbatch.errors import ConfigError
+
+__all__ = ["add_study_arguments", "config_from_args", "parse_batches", "parse_overrides",
+           "parse_strategies"]
+
+
+def _strategy_names() -> tuple[str, ...]:
+    from bigbatch.study import STRATEGIES
+
+    return STRATEGIES
+
+
+def parse_batches(text: str) -> list[int]:
+    """`"64,256,1024"` -> `[64, 256, 1024]` (ConfigError naming the bad item)."""
+    out = []
+    for item in text.split(","):
+        try:
+            value = int(item.strip())
+        except ValueError:
+            raise ConfigError(f"--batches={text!r}: {item.strip()!r} is not an integer; "
+                              "expected e.g. 64,256,1024") from None
+        if value < 1:
+            raise ConfigError(f"--batches={text!r}: {value} is out of range; allowed: >= 1")
+        out.append(value)
+    return out
+
+
+def parse_strategies(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    for s in names or [text]:
+        if s not in _strategy_names():
+            raise ConfigError(f"--strategies={text!r}: {s!r} is not a strategy; "
+                              f"valid: {', '.join(_strategy_names())}")
+    return names
+
+
+def parse_overrides(items: list[str]) -> dict[str, list[str]]:
+    """`["lars:lars.lars_coeff=0.02", "batch.warmup_epochs=1"]` -> per-strategy lists."""
+    out: dict[str, list[str]] = {}
+    for item in items:
+        head, colon, rest = item.partition(":")
+        key, body = (head.strip(), rest) if colon and "=" not in head else ("all", item)
+        out.setdefault(key, []).append(body.strip())
+    return out
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def add_study_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `bigbatch study` (the CLI adds a subparser and calls this)."""
+    a = parser.add_argument
+    a("--config", metavar="FILE", help="study TOML: a [study] table with these flags' keys, "
+      "and [set] lists of overrides per strategy (flags given here win)")
+    a("--task", help="built-in task: mnist1d (default) or charlm")
+    a("--model", help="model of the task (default: the task's)")
+    a("--task-opt", dest="task_options", metavar="KEY=VALUE", action="append", default=[],
+      help="task option, e.g. num_samples=20000 (repeatable)")
+    a("--batches", metavar="B1,B2,...", help="global batch sizes (default: base x 1,4,16,64)")
+    a("--strategies", metavar="S1,S2", help=f"of {', '.join(_strategy_names())} (default: sgd and "
+      "lars, or lamb for an AdamW recipe)")
+    a("--epochs", type=_float, help="epoch budget of every cell (default: the recipe's)")
+    a("--target", type=_float, help="test-metric target for steps-to-target "
+      "(default: the small-batch baseline's final value minus 1 point / plus 0.05 bpc)")
+    a("--tolerance", type=_float, help="allowed loss vs the baseline for 'keeps accuracy' "
+      "(default 0.005 accuracy, 0.02 bpc)")
+    a("--micro-batch", dest="micro_batch_size", type=_positive_int, metavar="N",
+      help="per-worker micro-batch; larger batches merge gradients (default 128)")
+    a("--warmup-epochs", type=_float, help="warmup of the scaled strategies (default epochs/8)")
+    a("--evals-per-epoch", type=_positive_int, metavar="N", help="test evaluations per epoch "
+      "(default 4; needs train's --eval-every)")
+    a("--set", dest="overrides", metavar="[STRATEGY:]SECTION.KEY=VALUE", action="append",
+      default=[], help="override a strategy key in every cell, or in one strategy's cells")
+    a("--seed", type=int, help="seed of every cell (default 0)")
+    a("--nproc", type=_positive_int, metavar="N", help="workers per cell (default 1: in-process)")
+    a("--threads", type=_positive_int, metavar="N", help="torch threads per worker (default: "
+      "torch's; use 1 on a shared CPU, --quick does)")
+    a("--out", help="output directory (default runs/study)")
+    a("--quick", action="store_true", help="a small grid that runs in minutes on 2 CPU cores")
+    a("--report-only", action="store_true", help="write the report from finished cells only")
+    a("--no-progress", action="store_true", help="no live progress bar (one line per cell)")
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    """The StudyConfig of the flags: defaults < --quick preset < --config file < flags."""
+    from bigbatch.study import QUICK, StudyConfig
+
+    values: dict[str, Any] = {}
+    task = args.task
+    file: dict[str, Any] = {}
+    if args.config is not None:
+        try:
+            file = tomllib.loads(Path(args.config).read_text())
+        except OSError as e:
+            raise ConfigError(f"--config {args.config}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"--config {args.config}: {e}") from None
+        unknown = set(file) - {"study", "set"}
+        if unknown:
+            raise ConfigError(f"--config: unknown table [{sorted(unknown)[0]}]; valid: [study], [set]")
+        task = task or file.get("study", {}).get("task")
+    if args.quick:
+        values.update(QUICK.get(task or "mnist1d", {}))
+    study = dict(file.get("study", {}))
+    known = {f.name for f in fields(StudyConfig)}
+    for key in study:
+        if key not in known:
+            raise ConfigError(f"--config: unknown key study.{key}; valid: {', '.join(sorted(known))}")
+    values.update(study)
+    overrides = {k: list(v) for k, v in file.get("set", {}).items()}
+    for key, items in parse_overrides(args.overrides).items():
+        overrides.setdefault(key, []).extend(items)
+    if overrides:
+        values["overrides"] = overrides
+    if args.task_options:
+        from bigbatch.cli import _parse_options
+
+        values["task_options"] = _parse_options(args.task_options)
+    given = {"task": args.task, "model": args.model, "epochs": args.epochs, "target": args.target,
+             "tolerance": args.tolerance, "micro_batch_size": args.micro_batch_size,
+             "warmup_epochs": args.warmup_epochs, "evals_per_epoch": args.evals_per_epoch,
+             "seed": args.seed, "nproc": args.nproc, "threads": args.threads, "out": args.out,
+             "batches": parse_batches(args.batches) if args.batches else None,
+             "strategies": parse_strategies(args.strategies) if args.strategies else None}
+    values.update({k: v for k, v in given.items() if v is not None})
+    if args.no_progress:
+        values["progress"] = False
+    if args.quick and "out" not in values:
+        values["out"] = "runs/study-quick"
+    try:
+        return StudyConfig(**values)
+    except TypeError as e:  # a wrongly typed value from the file
+        raise ConfigError(f"--config: {e}") from None
