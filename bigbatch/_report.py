@@ -85,7 +85,8 @@ def _cell_record(cell: Any, state: dict[str, Any], metric: str) -> dict[str, Any
     rec["test"] = {k[5:]: v for k, v in summary.items() if k.startswith("test_")}
     rec["final"] = summary.get(f"test_{metric}")
     rec["evals"] = [[d["step"], d["epoch"], d.get(metric)] for d in lines if d.get("kind") == "eval"]
-    rec["noise_scale_series"] = [[d["step"], d["epoch"], d["gns"], bool(d.get("gns_biased"))]
+    rec["noise_scale_series"] = [[d["step"], d["epoch"], d["gns"], bool(d.get("gns_biased")),
+                                  d.get("gns_trace"), d.get("gns_sq_norm")]
                                  for d in lines if d.get("kind") == "train" and d.get("gns")]
     rec["adascale_gain"] = [[d["step"], d["adascale_gain"]] for d in lines
                             if d.get("kind") == "train" and d.get("adascale_gain") is not None]
@@ -96,7 +97,7 @@ def _cell_record(cell: Any, state: dict[str, Any], metric: str) -> dict[str, Any
     mean_g = statistics.fmean(g for _, g in late) if late else 0.0
     rec["noise_scale"] = (max(statistics.fmean(t for t, _ in late), 0.0) / mean_g
                           if mean_g > 0 else None)
-    rec["noise_scale_biased"] = any(b for *_, b in rec["noise_scale_series"])
+    rec["noise_scale_biased"] = any(row[3] for row in rec["noise_scale_series"])
     return rec
 
 
@@ -171,11 +172,15 @@ def _claim_accuracy(cells, base, tol, higher) -> dict[str, Any]:
 
 
 def _claim_scaling(cells, b_crit) -> dict[str, Any]:
+    """Scaling efficiency (S1/S2)/(B2/B1) of each pair of neighbouring batches of a strategy;
+    a pair is below the critical batch when its geometric mean is. A batch that never reached
+    the target gives an upper bound (its budget), which decides only when below NEAR_LINEAR."""
     claim = {"claim": "Steps to target fall about linearly with the batch up to the critical "
              "batch (measured noise scale) and flatten beyond it", "pairs": []}
     if b_crit is None:
         return {**claim, "verdict": "untested", "why": "no noise-scale measurement"}
-    below, above = [], []
+    sides: dict[str, list[float]] = {"below": [], "above": []}
+    open_pairs = 0
     for name in dict.fromkeys(c["strategy"] for c in cells):
         row = sorted((c for c in cells if c["strategy"] == name and c.get("steps")),
                      key=lambda c: c["global_batch_size"])
@@ -184,37 +189,42 @@ def _claim_scaling(cells, b_crit) -> dict[str, Any]:
             if s1 is None:
                 continue
             b1, b2 = c1["global_batch_size"], c2["global_batch_size"]
-            bound = s2 is None  # not reached in its budget: efficiency at most this
+            bound = s2 is None
             eff = (s1 / (s2 if s2 is not None else c2["steps"])) / (b2 / b1)
             region = "below" if math.sqrt(b1 * b2) <= b_crit else "above"
             claim["pairs"].append({"strategy": name, "from": b1, "to": b2, "efficiency": eff,
                                    "upper_bound": bound, "region": region})
-            (below if region == "below" else above).append(eff)
+            if bound and eff >= NEAR_LINEAR:
+                open_pairs += 1  # "at most 0.8" says neither linear nor flat
+            else:
+                sides[region].append(eff)
     parts, verdicts = [], []
+    below, above = sides["below"], sides["above"]
     if below:
-        m = statistics.fmean(below)
+        m = statistics.median(below)
         verdicts.append(m >= NEAR_LINEAR)
-        parts.append(f"below B_crit={b_crit:.0f} the mean scaling efficiency is {m:.2f} "
-                     f"({'about linear' if m >= NEAR_LINEAR else 'not linear'}, threshold {NEAR_LINEAR})")
+        parts.append(f"below B_crit={b_crit:.0f} the median scaling efficiency is {m:.2f} over "
+                     f"{len(below)} pair(s) ({'about linear' if m >= NEAR_LINEAR else 'not linear'}"
+                     f"; threshold {NEAR_LINEAR})")
     else:
-        parts.append(f"no batch pair lies below B_crit={b_crit:.0f}")
+        parts.append(f"no decisive batch pair below B_crit={b_crit:.0f}")
     if above:
-        m = statistics.fmean(above)
-        flat = m < NEAR_LINEAR and (not below or m < statistics.fmean(below))
+        m = statistics.median(above)
+        flat = m < NEAR_LINEAR
         verdicts.append(flat)
-        parts.append(f"above it the mean efficiency is at most {m:.2f} "
+        parts.append(f"above it {m:.2f} over {len(above)} pair(s) "
                      f"({'flattening' if flat else 'still about linear'})")
     else:
-        parts.append("no batch pair lies above B_crit")
-    if not below and not above:
+        parts.append("no decisive batch pair above it")
+    if open_pairs:
+        parts.append(f"{open_pairs} pair(s) undecided (target not reached, bound >= {NEAR_LINEAR})")
+    if not verdicts:
         verdict = "untested"
-    elif len(verdicts) == 2 and all(verdicts):
-        verdict = "held"
-    elif not any(verdicts):
-        verdict = "did not hold"
+    elif len(verdicts) == 2:
+        verdict = "held" if all(verdicts) else "did not hold" if not any(verdicts) else "partly held"
     else:
-        verdict = "partly held" if len(verdicts) == 2 else ("held (one side only)" if verdicts[0]
-                                                            else "did not hold (one side only)")
+        side = "below B_crit only" if below else "above B_crit only"
+        verdict = f"{'held' if verdicts[0] else 'did not hold'} ({side})"
     return {**claim, "verdict": verdict, "why": "; ".join(parts)}
 
 

@@ -111,30 +111,76 @@ def plot_steps(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def smoothed_noise(series: list[list[Any]]) -> tuple[list[float], list[float]]:
+    """(epochs, B_simple) with the ratio of rolling means of tr(Sigma) and |G|^2 over about
+    half an epoch of log lines (the per-line values of small batches are very noisy)."""
+    rows = [r for r in series if len(r) >= 6 and r[4] is not None and r[5]]
+    if not rows:
+        return [r[1] for r in series], [r[2] for r in series]
+    span = max(rows[-1][1] - rows[0][1], 1e-9)
+    w = max(1, round(len(rows) / span / 2))
+    xs, ys = [], []
+    for i in range(len(rows)):
+        win = rows[max(0, i - w + 1): i + 1]
+        g = sum(r[5] for r in win)
+        if g > 0:
+            xs.append(rows[i][1])
+            ys.append(max(sum(r[4] for r in win), 0.0) / g)
+    return xs, ys
+
+
 def plot_noise(results: dict[str, Any], path: Path) -> None:
     """Measured gradient noise scale B_simple over training, one line per cell."""
     plt = _pyplot()
     colors = _batch_colors(results)
     fig, ax = plt.subplots(figsize=(6.4, 4.8))
     for c in results["cells"]:
-        series = c.get("noise_scale_series") or []
-        if not series:
+        xs, ys = smoothed_noise(c.get("noise_scale_series") or [])
+        pos = [(x, y) for x, y in zip(xs, ys, strict=True) if y > 0]
+        if not pos:
             continue
-        ax.plot([e for _, e, _, _ in series], [g for _, _, g, _ in series],
-                ls=STYLES.get(c["strategy"], "-"), color=colors[c["global_batch_size"]], lw=1.2,
-                label=f"{c['strategy']} @ {c['global_batch_size']}")
+        biased = any(r[3] for r in c["noise_scale_series"])
+        ax.plot([p[0] for p in pos], [p[1] for p in pos], ls=STYLES.get(c["strategy"], "-"),
+                color=colors[c["global_batch_size"]], lw=1.2,
+                label=f"{c['strategy']} @ {c['global_batch_size']}{' *' if biased else ''}")
     if results["critical_batch"]:
         ax.axhline(results["critical_batch"], color="tab:red", lw=1, ls="--",
                    label=f"critical batch ~ {results['critical_batch']:.0f}")
     ax.set_yscale("log")
     ax.set_xlabel("epoch")
     ax.set_ylabel("noise scale B_simple (samples)")
-    ax.set_title("gradient noise scale during training")
+    ax.set_title("gradient noise scale during training (* biased estimator)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _zoom(ax: Any, results: dict[str, Any]) -> None:
+    """Keep the axis near the baseline (where the tolerance is visible); a cell far off it is
+    drawn on the edge with its value written beside it."""
+    base, tol = results["baseline"], results["tolerance"]
+    if base is None:
+        return
+    higher, b = results["higher_is_better"], base["final"]
+    span = 20 * tol
+    lo, hi = (b - span, min(1.0, b + span / 4)) if higher else (b - span / 4, b + span)
+    if results["metric"] == "accuracy":
+        hi = min(hi, 1.0)
+    for c in results["cells"]:
+        v = c.get("final")
+        if v is None or lo <= v <= hi:
+            continue
+        edge = lo if v < lo else hi
+        ax.scatter([c["global_batch_size"]], [edge], marker="v" if v < lo else "^", color="red",
+                   zorder=5, clip_on=False)
+        from bigbatch._report import fmt_metric
+
+        ax.annotate(f"{c['strategy']}: {fmt_metric(v, results['metric'])}",
+                    (c["global_batch_size"], edge), textcoords="offset points",
+                    xytext=(-6, 8 if v < lo else -14), ha="right", fontsize=8, color="red")
+    ax.set_ylim(lo, hi)
 
 
 def plot_final(results: dict[str, Any], path: Path) -> None:
@@ -153,6 +199,7 @@ def plot_final(results: dict[str, Any], path: Path) -> None:
         edge = base["final"] - tol if results["higher_is_better"] else base["final"] + tol
         ax.axhspan(min(edge, base["final"]), max(edge, base["final"]), color="grey", alpha=0.2,
                    label=f"tolerance {tol:g}")
+    _zoom(ax, results)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("global batch size")
     ax.set_ylabel(_metric_label(results))
