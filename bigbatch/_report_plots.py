@@ -118,7 +118,7 @@ def smoothed_noise(series: list[list[Any]]) -> tuple[list[float], list[float]]:
     if not rows:
         return [r[1] for r in series], [r[2] for r in series]
     span = max(rows[-1][1] - rows[0][1], 1e-9)
-    w = max(1, round(len(rows) / span / 2))
+    w = max(1, round((len(rows) - 1) / span / 2))
     xs, ys = [], []
     for i in range(len(rows)):
         win = rows[max(0, i - w + 1): i + 1]

@@ -239,3 +239,28 @@ def test_quick_study_end_to_end(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert len(results["cells"]) == 8 and all(c["status"] == "ran" for c in results["cells"])
     assert (out / "steps_to_target.png").is_file()
+
+
+def test_critical_batch_prefers_well_trained_unbiased_cells():
+    from bigbatch._report import _critical_batch
+
+    base = {"final": 0.99}
+    cells = [{"final": 0.99, "noise_scale": 5000.0, "noise_scale_biased": True},
+             {"final": 0.985, "noise_scale": 1000.0, "noise_scale_biased": False},
+             {"final": 0.98, "noise_scale": 3000.0, "noise_scale_biased": False},
+             {"final": 0.20, "noise_scale": 4.0, "noise_scale_biased": False}]  # diverged
+    b, source = _critical_batch(cells, base, 0.005, True)
+    assert b == pytest.approx(2000.0) and source.startswith("well-trained cells, unbiased")
+    b, source = _critical_batch(cells[:1] + cells[3:], base, 0.005, True)
+    assert b == 5000.0 and "biased" in source
+
+
+def test_noise_curve_is_a_ratio_of_rolling_means():
+    from bigbatch._report_plots import smoothed_noise
+
+    # 4 log lines per epoch -> a window of 2 lines.
+    series = [[i, i / 4, 0.0, False, tr, g] for i, (tr, g) in
+              enumerate([(10, 1), (30, 1), (20, 2), (40, 2)], start=1)]
+    xs, ys = smoothed_noise(series)
+    assert xs == [0.25, 0.5, 0.75, 1.0]
+    assert ys == pytest.approx([10.0, 20.0, 50 / 3, 60 / 4])
