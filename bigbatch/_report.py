@@ -70,6 +70,31 @@ def _fit_mccandlish(points: list[tuple[int, float]]) -> dict[str, float] | None:
     return {"s_min": s_min, "b_noise": slope / s_min}
 
 
+def _sig(x: float | None, digits: int = 5) -> float | None:
+    """`x` to `digits` significant digits (keeps results.json small)."""
+    return None if x is None else float(f"{x:.{digits}g}")
+
+
+def _settings(strategy: Any) -> str:
+    """The keys of a cell's Strategy that its rule sets, in one line."""
+    b, o = strategy.batch, strategy.optimizer
+    parts = [f"{strategy.optimizer_name()}", f"base LR {b.base_lr:g} at {b.base_batch_size}",
+             f"scaling {b.scaling}", f"warmup {b.warmup_epochs:g} epochs", f"{b.decay} decay"]
+    if strategy.lars.enable:
+        la = strategy.lars
+        parts.append(f"lars_coeff {la.lars_coeff:g}, lars_weight_decay {la.lars_weight_decay:g}, "
+                     f"excluded {list(la.exclude_from_weight_decay)}")
+    elif strategy.lamb.enable:
+        lb = strategy.lamb
+        parts.append(f"lamb_weight_decay {lb.lamb_weight_decay:g}, "
+                     f"excluded {list(lb.exclude_from_weight_decay)}")
+    else:
+        parts.append(f"weight decay {o.weight_decay:g}")
+    if strategy.adaptive.lr != "none":
+        parts.append(f"adaptive lr {strategy.adaptive.lr}")
+    return ", ".join(parts)
+
+
 def _cell_record(cell: Any, state: dict[str, Any], metric: str) -> dict[str, Any]:
     rec: dict[str, Any] = {"strategy": cell.name, "global_batch_size": cell.batch,
                            "dir": str(cell.dir), **state}
@@ -85,8 +110,9 @@ def _cell_record(cell: Any, state: dict[str, Any], metric: str) -> dict[str, Any
     rec["test"] = {k[5:]: v for k, v in summary.items() if k.startswith("test_")}
     rec["final"] = summary.get(f"test_{metric}")
     rec["evals"] = [[d["step"], d["epoch"], d.get(metric)] for d in lines if d.get("kind") == "eval"]
-    rec["noise_scale_series"] = [[d["step"], d["epoch"], d["gns"], bool(d.get("gns_biased")),
-                                  d.get("gns_trace"), d.get("gns_sq_norm")]
+    rec["noise_scale_series"] = [[d["step"], _sig(d["epoch"]), _sig(d["gns"]),
+                                  bool(d.get("gns_biased")), _sig(d.get("gns_trace")),
+                                  _sig(d.get("gns_sq_norm"))]
                                  for d in lines if d.get("kind") == "train" and d.get("gns")]
     rec["adascale_gain"] = [[d["step"], d["adascale_gain"]] for d in lines
                             if d.get("kind") == "train" and d.get("adascale_gain") is not None]
@@ -97,6 +123,8 @@ def _cell_record(cell: Any, state: dict[str, Any], metric: str) -> dict[str, Any
     mean_g = statistics.fmean(g for _, g in late) if late else 0.0
     rec["noise_scale"] = (max(statistics.fmean(t for t, _ in late), 0.0) / mean_g
                           if mean_g > 0 else None)
+    # |G|^2 averaging <= 0: no detectable signal, a noise scale beyond what the batches resolve.
+    rec["noise_scale_unresolved"] = bool(late) and mean_g <= 0
     rec["noise_scale_biased"] = any(row[3] for row in rec["noise_scale_series"])
     return rec
 
@@ -120,16 +148,20 @@ HEALTHY = 4.0
 def _critical_batch(cells, base, tol, higher) -> tuple[float | None, str]:
     """Median late-training noise scale over the cells that trained well (a diverged run's
     gradients say nothing about the good trajectory), unbiased estimates first."""
-    measured = [c for c in cells if c.get("noise_scale")]
+    def value(c: dict[str, Any]) -> float:
+        return math.inf if c.get("noise_scale_unresolved") else c["noise_scale"]
+
+    measured = [c for c in cells if c.get("noise_scale") or c.get("noise_scale_unresolved")]
     healthy = [c for c in measured if base is not None
                and _loss_vs(c["final"], base["final"], higher) <= HEALTHY * tol]
     for pool, label in ((healthy, "well-trained cells"), (measured, "all cells")):
-        unbiased = [c["noise_scale"] for c in pool if not c.get("noise_scale_biased")]
+        unbiased = [value(c) for c in pool if not c.get("noise_scale_biased")]
+        kind = "unbiased"
+        if not unbiased:
+            unbiased, kind = [value(c) for c in pool], "biased"
         if unbiased:
-            return statistics.median(unbiased), f"{label}, unbiased estimates ({len(unbiased)})"
-        if pool:
-            return (statistics.median(c["noise_scale"] for c in pool),
-                    f"{label}, biased estimates ({len(pool)})")
+            b = statistics.median(unbiased)
+            return (b if math.isfinite(b) else None), f"{label}, {kind} estimates ({len(unbiased)})"
     return None, "none"
 
 
@@ -229,7 +261,7 @@ def _claim_scaling(cells, b_crit) -> dict[str, Any]:
 
 
 def collect(c: Any, task: Any, recipe: Any, cells: list[Any], status: dict[str, dict],
-            argv: list[str] | None = None) -> dict[str, Any]:
+            command: str | None = None) -> dict[str, Any]:
     """Every number of the report, as one JSON-able dict."""
     import torch
 
@@ -255,13 +287,16 @@ def collect(c: Any, task: Any, recipe: Any, cells: list[Any], status: dict[str, 
         fits[name] = _fit_mccandlish(pts)
     return {
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "command": "bigbatch " + " ".join(argv) if argv else None,
+        "command": command,
         "config": asdict(c),
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
-                        "machine": platform.machine(), "threads": torch.get_num_threads()},
+                        "machine": platform.machine(),
+                        "threads": c.threads or torch.get_num_threads()},
         "task": task.name, "model": c.model, "metric": metric, "higher_is_better": higher,
         "recipe": asdict(recipe),
         "rules": {s: _rule(s) for s in c.strategies},
+        "settings": {s: _settings(next(x.strategy for x in cells if x.name == s))
+                     for s in c.strategies},
         "baseline": None if base is None else {"strategy": base["strategy"], "final": base["final"],
                                                "global_batch_size": base["global_batch_size"]},
         "target": target, "tolerance": tol,
@@ -288,6 +323,11 @@ def _num(value: float | None, spec: str = ".0f") -> str:
     return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
+def _noise(r: dict[str, Any]) -> str:
+    text = "no signal" if r.get("noise_scale_unresolved") else _num(r.get("noise_scale"))
+    return text + ("*" if r.get("noise_scale_biased") else "")
+
+
 def table(results: dict[str, Any]) -> str:
     """The seed-000-style table: strategy, global batch, epochs, metric, steps to target."""
     m, tgt = results["metric"], results["target"]
@@ -311,7 +351,7 @@ def table(results: dict[str, Any]) -> str:
         rows.append(f"| {r['strategy']} | {r['global_batch_size']} | {r['epochs']:g} | "
                     f"{fmt_metric(r['final'], m)} | {delta} | {r['steps']} | {stt} | "
                     f"{_num(r.get('epochs_to_target'), '.2f')} | {_num(r['peak_lr'], '.4g')} | "
-                    f"{_num(r.get('noise_scale'))}{'*' if r.get('noise_scale_biased') else ''} | "
+                    f"{_noise(r)} | "
                     f"{_num(r.get('wall_time_s'))} |")
     return "\n".join(rows)
 
@@ -325,13 +365,14 @@ def markdown(results: dict[str, Any], figures: dict[str, str]) -> str:
     opts = ", ".join(f"{k}={v}" for k, v in c["task_options"].items()) or "defaults"
     lines += [f"Task options: {opts}. Every cell: {c['epochs']:g} epochs, seed {c['seed']}, "
               f"{c['nproc']} worker(s), micro-batch {c['micro_batch_size']} (larger batches merge "
-              f"gradients), warmup {c['warmup_epochs']:g} epochs for scaled rules. Made "
+              f"gradients), warmup {c['warmup_epochs']:g} epochs for scaled rules. Report written "
               f"{results['created']} with torch {results['environment']['torch']} "
-              f"({results['environment']['threads']} threads); training time of all cells "
+              f"({_threads(results)}); training time of all cells "
               f"{results['total_wall_s'] / 60:.1f} min.", "",
               f"Base recipe: {rec['optimizer']} at batch {rec['base_batch_size']}, LR "
               f"{rec['base_lr']:g}, weight decay {rec['weight_decay']:g}, {rec['decay']} decay.", ""]
-    lines += [f"- **{s}**: {rule}" for s, rule in results["rules"].items()] + [""]
+    lines += [f"- **{s}**: {rule}; {results['settings'][s]}" for s, rule in results["rules"].items()]
+    lines.append("")
     if base is not None:
         lines.append(f"Baseline: {base['strategy']} at batch {base['global_batch_size']}, "
                      f"{fmt_metric(base['final'], m)}. Target: {fmt_metric(results['target'], m)}"
@@ -342,8 +383,9 @@ def markdown(results: dict[str, Any], figures: dict[str, str]) -> str:
               "around the first crossing. Noise scale: B_simple = tr(Sigma)/|G|^2 (McCandlish et "
               "al. 2018) as the ratio of the means of its two estimates over the second half "
               "of training, in samples; * marks the biased consecutive-steps estimate (cells "
-              "without gradient merge). A pair of batches counts as below the critical batch "
-              "when their geometric mean is.", ""]
+              "without gradient merge); no signal: the |G|^2 estimate averaged <= 0, a noise "
+              "scale beyond what these batches resolve (counted as infinite). A pair of batches "
+              "counts as below the critical batch when their geometric mean is.", ""]
     bc = results["critical_batch"]
     lines += ["## What this run found", ""]
     if bc is not None:
@@ -369,6 +411,11 @@ def markdown(results: dict[str, Any], figures: dict[str, str]) -> str:
     lines += ["", "## Figures", ""]
     lines += [f"![{title}]({name})\n" for name, title in figures.items()]
     return "\n".join(lines) + "\n"
+
+
+def _threads(results: dict[str, Any]) -> str:
+    n = results["environment"]["threads"]
+    return f"{n} thread{'' if n == 1 else 's'} per worker"
 
 
 def _signed(delta: float, metric: str) -> str:

@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import random
+import shlex
 import subprocess
 import sys
 import time
@@ -342,7 +343,14 @@ def run_study(config: StudyConfig, *, run_missing: bool = True,
     cells = build_cells(c, task, recipe)
     out = Path(c.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "study.json").write_text(json.dumps(asdict(c), indent=2) + "\n")
+    # The command that trained the cells (a --report-only run keeps the previous one).
+    previous = _read_json(out / "study.json") or {}
+    command = shlex.join(["bigbatch", *argv]) if argv else None
+    if not run_missing or command is None:
+        command = previous.get("command", command)
+        if c.threads is None and not run_missing:
+            c.threads = previous.get("threads")
+    (out / "study.json").write_text(json.dumps({**asdict(c), "command": command}, indent=2) + "\n")
     status: dict[str, dict[str, Any]] = {}
     todo = [cell for cell in cells if not is_finished(cell)]
     for cell in cells:
@@ -357,7 +365,7 @@ def run_study(config: StudyConfig, *, run_missing: bool = True,
     elif todo:
         for cell in todo:
             status[cell.dir.name] = {"status": "missing"}
-    results = _report.collect(c, task, recipe, cells, status, argv=argv)
+    results = _report.collect(c, task, recipe, cells, status, command=command)
     _report.write(results, out)
     return results
 
