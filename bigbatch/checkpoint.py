@@ -1,13 +1,34 @@
-"""Atomic checkpoints: save and resume everything stateful in a training run."""
+"""Atomic, verified checkpoints: save and resume everything stateful in a training run.
+
+`save_checkpoint` writes `checkpoints/step-N.pt` (temporary file, fsync, rename),
+then its manifest `step-N.json` (size and sha256 of the payload), the commit
+point, and keeps the newest K. `latest_checkpoint` returns the newest checkpoint
+whose payload matches its manifest: a corrupt or truncated one is skipped with
+a one-line warning and the previous good one is used. A payload without a
+manifest (a crash between the two renames, or an older run) is accepted when
+its zip structure and CRCs check out. A save that fails midway (disk full)
+leaves the previous checkpoints intact and raises `CheckpointSaveError`.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 import random
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
+MANIFEST_FORMAT = 1
+
+
+class CheckpointSaveError(OSError):
+    """A checkpoint could not be written; the previous ones are intact."""
 
 
 def atomic_save(obj, path: str | os.PathLike) -> None:
@@ -74,8 +95,14 @@ def checkpoint_path(out: str | os.PathLike, step: int) -> Path:
     return Path(out) / CHECKPOINT_DIR / f"{_PREFIX}{step:09d}{_SUFFIX}"
 
 
+def manifest_path(path: str | os.PathLike) -> Path:
+    """The manifest beside checkpoint payload `path`."""
+    return Path(path).with_suffix(".json")
+
+
 def list_checkpoints(out: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints in `out`, oldest first (temporary files are never listed)."""
+    """Checkpoint payloads in `out`, oldest first (temporary files are never listed;
+    not verified: see `latest_checkpoint`)."""
     d = Path(out) / CHECKPOINT_DIR
     if not d.is_dir():
         return []
@@ -87,17 +114,84 @@ def list_checkpoints(out: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def _sha256(path: Path) -> tuple[str, int]:
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+            n += len(chunk)
+    return h.hexdigest(), n
+
+
+def verify_checkpoint(path: str | os.PathLike) -> str | None:
+    """None when the payload at `path` is whole, else why not (one short phrase)."""
+    path = Path(path)
+    manifest = manifest_path(path)
+    try:
+        if manifest.exists():
+            meta = json.loads(manifest.read_text())
+            digest, size = _sha256(path)
+            if size != meta["bytes"]:
+                return f"truncated: {size} bytes, manifest says {meta['bytes']}"
+            if digest != meta["sha256"]:
+                return "checksum mismatch"
+            return None
+        with zipfile.ZipFile(path) as z:  # no manifest: torch.save's zip and its CRCs
+            bad = z.testzip()
+        return f"damaged entry {bad}" if bad else None
+    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
+        return f"unreadable ({type(e).__name__}: {e})".splitlines()[0]
+
+
+_warned: set[tuple[str, str]] = set()
+
+
 def latest_checkpoint(out: str | os.PathLike) -> Path | None:
+    """The newest checkpoint that verifies; a bad newer one is skipped with a warning."""
     found = list_checkpoints(out)
-    return found[-1] if found else None
+    for i in range(len(found) - 1, -1, -1):
+        problem = verify_checkpoint(found[i])
+        if problem is None:
+            return found[i]
+        key = (str(found[i]), problem)
+        if key not in _warned:  # resolve, preflight and the trainer all ask: say it once
+            _warned.add(key)
+            fallback = next((p.name for p in reversed(found[:i]) if verify_checkpoint(p) is None),
+                            None)
+            log.warning("warning: checkpoint %s is corrupt (%s); %s", found[i].name, problem,
+                        f"using {fallback}" if fallback else "no older good checkpoint")
+    return None
 
 
 def save_checkpoint(out: str | os.PathLike, step: int, state: dict, keep: int = 2) -> Path:
-    """Write `state` as the checkpoint of `step` atomically; keep the newest `keep` ones."""
+    """Write `state` as the checkpoint of `step` atomically with its manifest; keep the
+    newest `keep` ones. Raises `CheckpointSaveError` (older checkpoints intact) on failure."""
     path = checkpoint_path(out, step)
-    atomic_save(state, path)
+    manifest = manifest_path(path)
+    try:
+        manifest.unlink(missing_ok=True)  # a half-replaced step must not verify against it
+        atomic_save(state, path)
+        digest, size = _sha256(path)
+        tmp = manifest.with_name(f".{manifest.name}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "w") as f:
+                json.dump({"format": MANIFEST_FORMAT, "step": step, "payload": path.name,
+                           "bytes": size, "sha256": digest}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, manifest)  # the commit point
+            _fsync_dir(path.parent)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except OSError as e:
+        previous = [p.name for p in list_checkpoints(out) if p != path]
+        raise CheckpointSaveError(
+            f"saving checkpoint {path.name} failed ({e.strerror or e}); "
+            f"{'kept ' + previous[-1] if previous else 'no earlier checkpoint'}"
+        ) from e
     for old in list_checkpoints(out)[:-keep] if keep > 0 else []:
         old.unlink(missing_ok=True)
+        manifest_path(old).unlink(missing_ok=True)
     return path
 
 

@@ -102,7 +102,9 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser; `study` and `gns` get their flags only when `command` names them
+    (their modules, and what those import, stay out of every `train` worker)."""
     parser = _Parser(prog="bigbatch", description="Large-batch distributed training for PyTorch.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
@@ -143,22 +145,22 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--rdzv-id", help="job id for the rendezvous (torchrun)")
     launch.add_argument("--max-restarts", type=_nonneg_int,
                         help="restarts of the worker group on failure (torchrun)")
-    _add_other_commands(sub)
-    return parser
-
-
-def _add_other_commands(sub) -> None:
-    """`study` (bigbatch.study) and `gns` (bigbatch.gns_probe): their flags live with them."""
-    from bigbatch._study_cli import add_study_arguments
-    from bigbatch.gns_probe import add_gns_arguments
-
-    add_study_arguments(sub.add_parser(
+    study = sub.add_parser(
         "study", help="batch-size scaling study and its report",
         description="Train every (strategy, global batch) cell at a fixed epoch budget and "
-        "write a report: table, figures, noise scale."))
-    add_gns_arguments(sub.add_parser(
+        "write a report: table, figures, noise scale.")
+    gns = sub.add_parser(
         "gns", help="measure the gradient noise scale (critical batch) of a task",
-        description="Measure the gradient noise scale over training and the critical batch."))
+        description="Measure the gradient noise scale over training and the critical batch.")
+    if command == "study":
+        from bigbatch._study_cli import add_study_arguments
+
+        add_study_arguments(study)
+    elif command == "gns":
+        from bigbatch.gns_probe import add_gns_arguments
+
+        add_gns_arguments(gns)
+    return parser
 
 
 def _literal(raw: str):
@@ -273,17 +275,85 @@ def _strip_launch_flags(argv: list[str]) -> list[str]:
     return out
 
 
-def _launch(args: argparse.Namespace, argv: list[str], config, strategy) -> int:
+def _check_option_types(task_name: str, options: dict) -> None:
+    """A task option whose default is a number, bool or string takes only that type."""
+    import inspect
+
+    from bigbatch.tasks import task_class
+
+    params = inspect.signature(task_class(task_name).__init__).parameters
+    for key, value in options.items():
+        default = params[key].default if key in params else None
+        kind = type(default)
+        if kind not in (int, float, bool, str) or isinstance(value, kind) and (
+                kind is bool or not isinstance(value, bool)):
+            continue
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            continue
+        raise ConfigError(f"--task-opt {key}={value!r}: expected {kind.__name__}, "
+                          f"got {type(value).__name__}")
+
+
+def _check_checkpoint(config, path: Path, ckpt: dict, model) -> None:
+    """On resume: the latest checkpoint must come from this model and fit it."""
+    saved = ckpt.get("config") or {}
+    if config.model is not None and saved.get("model") not in (None, config.model):
+        raise ConfigError(f"--resume: checkpoint {path.name} is from model={saved['model']!r}, "
+                          f"this run has model={config.model!r}")
+    try:
+        model.load_state_dict(ckpt["model"])
+    except (KeyError, RuntimeError) as e:
+        first = (str(e).strip() or type(e).__name__).splitlines()[0]
+        raise ConfigError(f"--resume: checkpoint {path.name} does not fit this model: "
+                          f"{first}") from None
+
+
+def preflight(config, strategy, world_size: int | None):
+    """Every user mistake we can find before a worker starts or the output directory is touched:
+    output path, task and its options, model, batch arithmetic and schedule (when the world
+    size is known), and on resume the checkpoint's task, model and data. Returns the task."""
     from bigbatch.tasks import get_task
     from bigbatch.train import plan_run
 
+    out = Path(config.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: exists and is not a directory")
+    _check_option_types(config.task, config.task_options)
+    path = ckpt = None
+    if config.resume:  # before the data: a mismatch must not generate a data set first
+        from bigbatch.checkpoint import latest_checkpoint, load_checkpoint
+
+        path = latest_checkpoint(out)
+        if path is None:
+            raise ConfigError(f"--resume: no usable checkpoint in {out / 'checkpoints'}")
+        ckpt = load_checkpoint(path)
+        saved = ckpt.get("config") or {}
+        for key in ("task", "task_options"):
+            if key in saved and saved[key] != getattr(config, key):
+                raise ConfigError(f"--resume: checkpoint {path.name} is from {key}="
+                                  f"{saved[key]!r}, this run has {key}={getattr(config, key)!r}")
+    task = get_task(config.task, **config.task_options)  # fills the data cache once, here
+    model_name = task.check_model(config.model)
+    if world_size is not None:
+        plan_run(config, strategy, task, world_size)
+    model = task.build_model(model_name)
+    if ckpt is not None:
+        _check_checkpoint(config, path, ckpt, model)
+    recompute = strategy.recompute
+    if recompute.enable and recompute.checkpoints:  # module names exist (throwaway model)
+        from bigbatch._engine_setup import apply_recompute
+
+        apply_recompute(model, list(recompute.checkpoints))
+    return task
+
+
+def _launch(args: argparse.Namespace, argv: list[str], config, strategy) -> int:
     nnodes = args.nnodes
     if nnodes is not None and not all(p.isdigit() and int(p) >= 1 for p in nnodes.split(":")):
         raise ConfigError(f"--nnodes={nnodes!r}: expected N or MIN:MAX with integers >= 1")
-    task = get_task(config.task, **config.task_options)  # fills the data cache once, here
-    task.check_model(config.model)
-    if nnodes is None or nnodes.isdigit():  # batch and schedule mistakes: now, not per worker
-        plan_run(config, strategy, task, args.nproc * int(nnodes or 1))
+    # Batch and schedule mistakes: now, not per worker (unknown with an elastic MIN:MAX).
+    preflight(config, strategy,
+              args.nproc * int(nnodes or 1) if nnodes is None or nnodes.isdigit() else None)
     cmd = _launcher_argv(args, argv)
     env = dict(os.environ)
     if "OMP_NUM_THREADS" not in env:  # torchrun would pick 1 and print a banner about it
@@ -296,7 +366,7 @@ def _launch(args: argparse.Namespace, argv: list[str], config, strategy) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    parser = build_parser(next((a for a in argv if not a.startswith("-")), None))
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (2, one line already printed)
@@ -328,11 +398,20 @@ def main(argv: list[str] | None = None) -> int:
             return _launch(args, argv, config, strategy)
         from bigbatch.train import train
 
+        world_size = int(os.environ.get("WORLD_SIZE", "1") or 1) if under_launcher() else 1
+        preflight(config, strategy, world_size)
         train(config, strategy)
         return 0
     except ConfigError as e:
         print(f"bigbatch {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except OSError as e:
+        from bigbatch.checkpoint import CheckpointSaveError
+
+        if not isinstance(e, CheckpointSaveError):
+            raise
+        print(f"bigbatch {args.command}: error: {e}", file=sys.stderr)  # exit 1: not a usage
+        return 1
     except KeyboardInterrupt:
         print(f"bigbatch {args.command}: interrupted", file=sys.stderr)
         return 130

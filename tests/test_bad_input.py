@@ -1,0 +1,182 @@
+"""Bad input to `bigbatch train`: exit code 2, one line naming the problem, no traceback,
+and the output directory exactly as it was (here: it holds a previous run).
+
+Runs in-process through `bigbatch.cli.main` with `--nproc 1` (no launcher), so the whole
+table takes seconds.
+"""
+
+import hashlib
+import os
+
+import pytest
+import torch
+
+from bigbatch.cli import main
+
+TINY = ["--nproc", "1", "--no-progress", "--no-tensorboard", "--task-opt", "num_samples=1000",
+        "--set", "batch.global_batch_size=64", "--set", "batch.base_batch_size=32",
+        "--set", "batch.warmup_epochs=0"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A previous run (2 steps, cnn) and a few input files, shared by every case."""
+    root = tmp_path_factory.mktemp("bad_input")
+    old_cache = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.getbasetemp() / "xdg-cache")
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        code = main(["train", *TINY, "--out", str(root / "prev"), "--steps", "2",
+                     "--model", "cnn", "--checkpoint-every", "1"])
+    finally:
+        torch.set_num_threads(n)
+    assert code == 0
+    (root / "bad.toml").write_text("[lars\n")
+    (root / "unknown_key.toml").write_text("[batch]\nglobal_batch = 64\n")
+    (root / "wrong_type.toml").write_text('[batch]\nglobal_batch_size = "big"\n')
+    (root / "list.toml").write_text("batch = [1, 2]\n")
+    (root / "dir.toml").mkdir()
+    (root / "a_file").write_text("not a directory\n")
+    (root / "empty").mkdir()
+    (root / "empty" / "notes.txt").write_text("keep me\n")
+    yield root
+    if old_cache is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old_cache
+
+
+S = "--set"
+# (case id, extra argv ({root} is the fixture dir), output dir under root, expected substring)
+CASES = [
+    # strategy: unknown sections and keys, wrong types, out-of-range values
+    ("unknown_section", [S, "foo.bar=1"], "prev", "unknown section [foo]"),
+    ("unknown_key", [S, "batch.global_batch=64"], "prev", "global_batch_size"),
+    ("unknown_key_lars", [S, "lars.lars_coef=0.1"], "prev", "lars_coeff"),
+    ("wrong_type_int", [S, 'batch.global_batch_size="abc"'], "prev", "expected int"),
+    ("wrong_type_float", [S, "batch.base_lr=fast"], "prev", "batch.base_lr: expected float"),
+    ("wrong_type_bool", [S, "lars.enable=3"], "prev", "lars.enable: expected bool"),
+    ("negative_lr", [S, "batch.base_lr=-1"], "prev", "batch.base_lr must be > 0"),
+    ("zero_batch", [S, "batch.global_batch_size=0"], "prev", "global_batch_size must be >= 1"),
+    ("bad_scaling", [S, "batch.scaling=cubic"], "prev", "batch.scaling must be one of"),
+    ("bad_decay", [S, "batch.decay=exp"], "prev", "batch.decay must be one of"),
+    ("bad_milestones", [S, "batch.decay=step", S, "batch.decay_milestones=[2.0]"], "prev",
+     "decay_milestones"),
+    ("negative_warmup", [S, "batch.warmup_steps=-1"], "prev", "warmup_steps must be >= 0"),
+    ("warmup_too_long", ["--steps", "2", S, "batch.warmup_steps=50"], "prev",
+     "does not fit in total_steps=2"),
+    ("bad_amp_dtype", [S, "amp.dtype=float8"], "prev", "amp.dtype must be one of"),
+    ("timeout_zero", [S, "data_parallel.timeout_s=0"], "prev", "timeout_s must be > 0"),
+    ("bad_reduce", [S, "data_parallel.reduce=max"], "prev", "data_parallel.reduce"),
+    ("bad_adaptive", [S, "adaptive.lr=magic"], "prev", "adaptive.lr must be one of"),
+    ("bad_recompute", [S, 'recompute.checkpoints=["nosuch"]'], "prev", "no module named"),
+    # batch arithmetic
+    ("micro_not_divisor", [S, "batch.micro_batch_size=48"], "prev",
+     "global_batch_size=64 is not micro_batch_size 48"),
+    ("merge_inconsistent", [S, "batch.micro_batch_size=16", S, "gradient_merge.k_steps=3"],
+     "prev", "x k_steps 3"),
+    ("batch_larger_than_data", [S, "batch.global_batch_size=100000"], "prev",
+     "larger than the training set"),
+    ("world_size_not_divisor", ["--nnodes", "1", S, "batch.global_batch_size=63",
+                                S, "batch.micro_batch_size=63", "--nproc", "2"], "prev",
+     "world_size 2"),
+    # conflicting strategies
+    ("lars_and_lamb", [S, "lamb.enable=true"], "prev", "[lars] and [lamb] are both enabled"),
+    ("lars_with_adamw", [S, "optimizer.type=adamw"], "prev", "[lars] needs optimizer.type"),
+    ("unknown_optimizer", [S, "optimizer.type=adam"], "prev", "optimizer.type must be one of"),
+    # --set / --task-opt syntax
+    ("set_no_equals", [S, "batch"], "prev", "must look like section.key=value"),
+    ("set_no_value", [S, "batch.global_batch_size="], "prev", "global_batch_size: expected"),
+    ("task_opt_syntax", ["--task-opt", "num_samples"], "prev", "must look like key=value"),
+    ("task_opt_unknown", ["--task-opt", "foo=1"], "prev", "task option 'foo' is not"),
+    ("task_opt_type", ["--task-opt", "num_samples=abc"], "prev", "num_samples='abc': expected int"),
+    ("task_opt_range", ["--task-opt", "num_samples=3"], "prev", "num_samples=3 is too small"),
+    # task, model, flags
+    ("unknown_task", ["--task", "imagenet"], "prev", "task='imagenet' is not a built-in task"),
+    ("unknown_model", ["--model", "resnet"], "prev", "model='resnet' is not a model"),
+    ("task_model_mismatch", ["--task", "charlm", "--model", "cnn"], "prev", "valid: transformer"),
+    ("nproc_zero", ["--nproc", "0"], "prev", "--nproc: must be >= 1, got 0"),
+    ("nproc_word", ["--nproc", "two"], "prev", "--nproc: expected an integer"),
+    ("steps_negative", ["--steps", "-1"], "prev", "--steps: must be >= 1, got -1"),
+    ("epochs_zero", ["--epochs", "0"], "prev", "--epochs: must be > 0"),
+    ("epochs_nan", ["--epochs", "nan"], "prev", "--epochs: must be > 0"),
+    ("epochs_and_steps", ["--epochs", "1", "--steps", "5"], "prev", "not allowed with argument"),
+    ("checkpoint_every_zero", ["--checkpoint-every", "0"], "prev", "--checkpoint-every"),
+    ("seed_word", ["--seed", "x"], "prev", "--seed: invalid int value"),
+    ("unknown_flag", ["--lr", "0.1"], "prev", "unrecognized arguments: --lr"),
+    ("bad_nnodes", ["--nnodes", "x", "--nproc", "2"], "prev", "--nnodes='x'"),
+    # files
+    ("missing_config", ["--config", "{root}/none.toml"], "prev", "cannot read strategy file"),
+    ("config_is_dir", ["--config", "{root}/dir.toml"], "prev", "cannot read strategy file"),
+    ("invalid_toml", ["--config", "{root}/bad.toml"], "prev", "invalid TOML"),
+    ("config_unknown_key", ["--config", "{root}/unknown_key.toml"], "prev", "global_batch_size"),
+    ("config_wrong_type", ["--config", "{root}/wrong_type.toml"], "prev", "expected int"),
+    ("config_not_a_table", ["--config", "{root}/list.toml"], "prev", "batch"),
+    ("out_is_a_file", [], "a_file", "exists and is not a directory"),
+    # resume
+    ("resume_without_checkpoint", ["--resume"], "empty", "--resume: no checkpoint in"),
+    ("resume_missing_dir", ["--resume"], "missing", "--resume: no checkpoint in"),
+    ("resume_other_model", ["--resume", "--model", "mlp", "--steps", "4"], "prev",
+     "is from model='cnn', this run has model='mlp'"),
+    ("resume_other_task", ["--resume", "--task", "charlm", "--model", "transformer"], "prev",
+     "is from task='mnist1d'"),
+    ("resume_other_data", ["--resume", "--task-opt", "num_samples=1200"], "prev",
+     "is from task_options="),
+    ("resume_batch_too_big", ["--resume", S, "batch.global_batch_size=100000"], "prev",
+     "larger than the training set"),
+]
+
+
+def _snapshot(path):
+    """Every entry under `path`: name -> (mtime, size, sha256), or None when it is missing."""
+    if not os.path.exists(path):
+        return None
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            return {".": (os.stat(path).st_mtime_ns, hashlib.sha256(f.read()).hexdigest())}
+    snap = {}
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            p = os.path.join(dirpath, name)
+            digest = None
+            if os.path.isfile(p):
+                with open(p, "rb") as f:
+                    digest = hashlib.sha256(f.read()).hexdigest()
+            snap[os.path.relpath(p, path)] = (os.stat(p).st_mtime_ns, digest)
+    return snap
+
+
+def test_table_has_enough_cases():
+    assert len(CASES) >= 30 and len({c[0] for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("argv, out, message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input(argv, out, message, files, capsys, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", os.environ["XDG_CACHE_HOME"])
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID",
+                 "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    out_dir = files / out
+    before = _snapshot(out_dir)
+    if out == "prev":
+        assert "summary.json" in before and any(k.startswith("checkpoints") for k in before)
+    capsys.readouterr()
+    args = ["train", *TINY, "--out", str(out_dir), *[a.format(root=files) for a in argv]]
+    code = main(args)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.endswith("\n"), err
+    assert message in err, err
+    assert "Traceback" not in err
+    assert _snapshot(out_dir) == before
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_unreadable_config(files, capsys):
+    cfg = files / "secret.toml"
+    cfg.write_text("[batch]\n")
+    cfg.chmod(0)
+    code = main(["train", *TINY, "--out", str(files / "prev"), "--config", str(cfg)])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot read strategy file" in err and err.count("\n") == 1
