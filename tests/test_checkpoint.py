@@ -123,3 +123,117 @@ def test_sampler_batch_change_mid_epoch_keeps_position():
     assert torch.equal(first, perm[:20]) and torch.equal(second, perm[20:60])
     assert s.k_steps == 2 and s.position == 60 and s.steps_per_epoch == 2
     assert torch.equal(torch.cat(next(it)), perm[60:100]) and s.epoch_done
+
+
+# ------------------------------------------------------------------ manifests and verification
+
+
+def _three_checkpoints(tmp_path, keep=3):
+    for step in (5, 10, 15):
+        save_checkpoint(tmp_path, step, {"step": step, "w": torch.randn(64)}, keep=keep)
+    return list_checkpoints(tmp_path)
+
+
+def test_manifest_records_size_and_checksum(tmp_path):
+    import hashlib
+    import json
+
+    from bigbatch.checkpoint import manifest_path, verify_checkpoint
+
+    paths = _three_checkpoints(tmp_path, keep=2)
+    assert [p.name for p in paths] == ["step-000000010.pt", "step-000000015.pt"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step-000000010.json", "step-000000010.pt", "step-000000015.json", "step-000000015.pt"]
+    meta = json.loads(manifest_path(paths[-1]).read_text())
+    data = paths[-1].read_bytes()
+    assert meta["bytes"] == len(data) and meta["sha256"] == hashlib.sha256(data).hexdigest()
+    assert meta["step"] == 15 and verify_checkpoint(paths[-1]) is None
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (lambda b: b[: len(b) // 2], "truncated"),
+    (lambda b: b[:100] + bytes([b[100] ^ 0xFF]) + b[101:], "checksum mismatch"),
+    (lambda b: b"", "truncated"),
+])
+def test_corrupt_latest_falls_back_to_previous_with_one_warning(tmp_path, caplog, damage,
+                                                               problem):
+    paths = _three_checkpoints(tmp_path)
+    paths[-1].write_bytes(damage(paths[-1].read_bytes()))
+    with caplog.at_level("WARNING", logger="bigbatch"):
+        assert latest_checkpoint(tmp_path) == paths[-2]
+        assert latest_checkpoint(tmp_path) == paths[-2]  # warned once per process
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "\n" not in warnings[0]
+    assert "step-000000015.pt is corrupt" in warnings[0] and problem in warnings[0]
+    assert "using step-000000010.pt" in warnings[0]
+    assert load_checkpoint(latest_checkpoint(tmp_path))["step"] == 10
+
+
+def test_payload_without_manifest_is_checked_by_its_zip_crcs(tmp_path):
+    from bigbatch.checkpoint import manifest_path
+
+    paths = _three_checkpoints(tmp_path)
+    manifest_path(paths[-1]).unlink()  # killed between the payload and the manifest rename
+    assert latest_checkpoint(tmp_path) == paths[-1]
+    paths[-1].write_bytes(paths[-1].read_bytes()[:-200])
+    assert latest_checkpoint(tmp_path) == paths[-2]
+    for p in paths:
+        p.write_bytes(b"garbage")
+    assert latest_checkpoint(tmp_path) is None
+
+
+def test_save_failing_midway_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    import errno
+
+    from bigbatch.checkpoint import CheckpointSaveError
+
+    paths = _three_checkpoints(tmp_path, keep=2)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "checkpoints").iterdir()}
+    real_save = torch.save
+
+    def disk_full(obj, f, *a, **kw):
+        f.write(b"PK\x03\x04 partial bytes")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(CheckpointSaveError, match="No space left on device") as e:
+        save_checkpoint(tmp_path, 20, {"step": 20}, keep=2)
+    assert "step-000000020.pt" in str(e.value) and "kept step-000000015.pt" in str(e.value)
+    assert "\n" not in str(e.value)
+    after = {p.name: p.read_bytes() for p in (tmp_path / "checkpoints").iterdir()}
+    assert after == before  # nothing pruned, no temporary left, old bytes intact
+    assert latest_checkpoint(tmp_path) == paths[-1]
+    # Overwriting the same step fails midway too: that step's old payload still loads.
+    with pytest.raises(CheckpointSaveError):
+        save_checkpoint(tmp_path, 15, {"step": 15}, keep=2)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert load_checkpoint(latest_checkpoint(tmp_path))["step"] == 15
+
+
+def test_cli_resume_skips_a_corrupt_latest_checkpoint(tmp_path, capsys, caplog, monkeypatch):
+    from bigbatch.cli import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path.parent / "xdg-cache-ckpt"))
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = tmp_path / "run"
+    args = ["train", "--nproc", "1", "--no-progress", "--no-tensorboard", "--out", str(out),
+            "--task-opt", "num_samples=1000", "--model", "mlp", "--set",
+            "batch.global_batch_size=64", "--set", "batch.warmup_epochs=0",
+            "--checkpoint-every", "2"]
+    try:
+        assert main([*args, "--steps", "4"]) == 0
+        latest = latest_checkpoint(out)
+        assert latest.name == "step-000000004.pt"
+        latest.write_bytes(latest.read_bytes()[:1000])
+        capsys.readouterr()
+        assert main([*args, "--steps", "6", "--resume"]) == 0
+    finally:
+        torch.set_num_threads(n)
+    err = capsys.readouterr().err
+    # (the warning goes to stderr too; under pytest the root logger's capture takes it)
+    warned = [r.getMessage() for r in caplog.records if "is corrupt" in r.getMessage()]
+    assert len(warned) == 1 and "step-000000004.pt" in warned[0], warned
+    assert "resuming" in err and "from step 2" in err
