@@ -49,9 +49,9 @@ LARS_DEFAULT = {"lars_coeff": 0.01, "base_lr": 0.1}
 LAMB_DEFAULT = {"base_lr": 0.01, "weight_decay": 0.01}
 
 QUICK = {  # per task: a grid that finishes in a few minutes on 2 CPU cores
-    "mnist1d": {"model": "cnn", "task_options": {"num_samples": 10000}, "epochs": 8,
-                "batches": [32, 128, 512, 2048], "strategies": ["sgd", "lars"], "threads": 1},
-    "charlm": {"task_options": {"d_model": 64, "n_layer": 1, "seq_len": 32}, "epochs": 1,
+    "mnist1d": {"model": "cnn", "task_options": {"num_samples": 20000}, "epochs": 12,
+                "batches": [128, 512, 2048, 4096], "strategies": ["sgd", "lars"], "threads": 1},
+    "charlm": {"task_options": {"d_model": 64, "n_layer": 1, "seq_len": 32}, "epochs": 2,
                "batches": [16, 64, 256, 1024], "strategies": ["sgd", "lamb"], "threads": 1},
 }
 
