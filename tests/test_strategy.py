@@ -117,7 +117,8 @@ def test_fleet_seed_examples_load():
 @pytest.mark.parametrize(
     "text",
     ["", FLEET_LARS, FLEET_LAMB, EVERYTHING]
-    + [p.read_text() for p in sorted(EXAMPLES.glob("*.toml"))],
+    # study_*.toml configure `bigbatch study`, not a Strategy.
+    + [p.read_text() for p in sorted(EXAMPLES.glob("*.toml")) if not p.name.startswith("study_")],
 )
 def test_toml_round_trip(text):
     s = Strategy.from_toml(text)
