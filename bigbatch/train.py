@@ -13,6 +13,7 @@ and the step; resuming from it gives the weights an uninterrupted run would have
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import shutil
 import time
@@ -155,7 +156,15 @@ def train(config: TrainConfig, strategy: Strategy, world: World | None = None) -
     owns_group = world.is_distributed and not dist.is_initialized()
     init_distributed(strategy.data_parallel, world)
     try:
-        return _Trainer(config, strategy, world).fit()
+        trainer = _Trainer(config, strategy, world)
+        summary = trainer.fit()
+        # DDP's reducer must go before the process group it uses: destroyed after it, a
+        # gloo worker sometimes aborts at exit ("terminate called without an active exception").
+        del trainer
+        gc.collect()
+        if owns_group:  # and leave together
+            U.barrier(world)
+        return summary
     finally:
         if owns_group:  # a caller's process group stays theirs
             teardown()
