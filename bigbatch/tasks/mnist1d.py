@@ -37,14 +37,17 @@ _RECIPES = {
         epochs=16,
         weight_decay=5e-4,
         reference=0.9931,
-        reference_note="momentum SGD, batch 128, lr 0.1, 16 epochs: 72 s on 2 CPU threads",
+        reference_note="momentum SGD, batch 128, lr 0.1, 16 epochs: 72 s on 2 CPU threads "
+        "(LARS demo at 4096: 98.95%; SGD at 4096, lr 3.2 with warmup: 69.8%)",
     ),
     "mlp": Recipe(
         base_batch_size=128,
-        base_lr=0.05,
+        base_lr=0.1,
         epochs=16,
         weight_decay=5e-4,
-        reference=None,
+        reference=0.9250,
+        reference_note="momentum SGD, batch 128, lr 0.1, 16 epochs: 10 s on 1 CPU thread "
+        "(lr 0.05: 88.9%; LARS demo at 4096: 81.8%; SGD at 4096, lr 3.2: 15%)",
     ),
 }
 
