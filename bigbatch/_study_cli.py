@@ -8,6 +8,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from bigbatch._argtypes import number as _float
+from bigbatch._argtypes import positive_int as _positive_int
 from bigbatch.errors import ConfigError
 
 __all__ = ["add_study_arguments", "config_from_args", "parse_batches", "parse_overrides",
@@ -54,21 +56,6 @@ def parse_overrides(items: list[str]) -> dict[str, list[str]]:
     return out
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
 def add_study_arguments(parser: argparse.ArgumentParser) -> None:

@@ -15,6 +15,9 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from bigbatch._argtypes import nonneg_int as _nonneg_int
+from bigbatch._argtypes import positive_float as _positive_float
+from bigbatch._argtypes import positive_int as _positive_int
 from bigbatch.errors import ConfigError
 
 EXIT_USAGE = 2
@@ -55,15 +58,6 @@ def _setup_logging() -> None:
         logger.setLevel(logging.INFO)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
 
 def _nproc(text: str) -> int | str:
     return "auto" if text == "auto" else _positive_int(text)
@@ -82,24 +76,6 @@ def default_nproc() -> int:
     return 2 if (os.cpu_count() or 1) >= 2 else 1
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
