@@ -15,6 +15,8 @@ from .optim import LAMB, LARS, param_groups
 from .scaling import scale_lr
 from .schedules import Schedule
 from .strategy import BatchPlan, Strategy
+from .tasks import get_task
+from .train import TrainConfig, train
 
 __version__ = "0.1.0"
 
@@ -22,6 +24,7 @@ __all__ = [
     "LARS", "LAMB", "param_groups",
     "Strategy", "BatchPlan", "Schedule", "scale_lr",
     "prepare", "Run",
+    "train", "TrainConfig", "get_task",
     "GradientNoiseScale", "AdaScale",
     "ConfigError",
     "adascale", "adasum", "gns", "scaling", "schedules",
