@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -12,7 +13,7 @@ from ._params import split_by_exclusion
 _FUSED_DTYPES = (torch.float32, torch.float64)
 
 
-class LayerwiseOptimizer(torch.optim.Optimizer):
+class LayerwiseOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     """Base for layer-wise adaptive optimizers (one trust ratio per tensor).
 
     Subclasses set ``_name`` and implement ``_group_step(group, fast, ratios)``.
@@ -59,9 +60,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     def _before_step(self) -> None:
         """Hook for work over all groups before the per-group updates."""
 
+    @abc.abstractmethod
     def _group_step(self, group: dict, params: list[torch.Tensor], fast: bool,
                     ratios: list[float] | None) -> None:
-        raise NotImplementedError
+        """Update one group's parameters that have gradients; append their trust ratios."""
 
     @staticmethod
     def _adapts(group: dict) -> bool:
