@@ -2,6 +2,8 @@
 
 User mistakes (bad flags, a missing config file, an unknown task, a resume
 directory without a checkpoint) print one line on stderr and exit with status 2.
+Failures of a run that started (a non-finite loss under `--nan-policy`, a failed
+checkpoint save, a peer that did not answer in time) print one line and exit 1.
 """
 
 from __future__ import annotations
@@ -108,6 +110,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="optimizer steps between checkpoints (default: once per epoch)")
     t.add_argument("--log-every", type=_positive_int, metavar="N",
                    help="optimizer steps between metrics lines (default: ~10 per epoch)")
+    t.add_argument("--nan-policy", choices=("stop", "skip"),
+                   help="on a non-finite loss (fp32/bf16): stop with an error, exit 1 "
+                   "(default), or skip the step (stops after 10 in a row)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard event files")
     launch = t.add_argument_group("launch (torchrun)")
@@ -190,7 +195,7 @@ def resolve(args: argparse.Namespace):
     given = {
         "task": args.task, "model": args.model, "epochs": args.epochs, "steps": args.steps,
         "seed": args.seed, "checkpoint_every": args.checkpoint_every,
-        "log_every": args.log_every,
+        "log_every": args.log_every, "nan_policy": args.nan_policy,
     }
     fields = {k: v for k, v in saved.items() if k in TrainConfig.__dataclass_fields__}
     if args.epochs is not None or args.steps is not None:  # a new length replaces the old one
@@ -381,6 +386,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"bigbatch {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except RuntimeError as e:
+        from bigbatch.train import NonFiniteLossError
+
+        if not isinstance(e, NonFiniteLossError):
+            raise
+        print(f"bigbatch {args.command}: error: {e}", file=sys.stderr)  # exit 1: a run failure
+        return 1
     except OSError as e:
         from bigbatch.checkpoint import CheckpointSaveError
 

@@ -46,6 +46,8 @@ RUN_FILE = "run.json"
 OUTPUTS = (METRICS_FILE, "summary.json", "final.pt", "strategy.toml", RUN_FILE,
            CHECKPOINT_DIR, "tensorboard")
 CHECKPOINT_FORMAT = 1
+MAX_NONFINITE_SKIPS = 10
+NonFiniteLossError = U.NonFiniteLossError
 
 
 @dataclass
@@ -81,6 +83,11 @@ class TrainConfig:
     """Write TensorBoard event files; None: when tensorboard is importable."""
     eval_batch_size: int = 1024
     """Per-worker batch size of evaluation."""
+    nan_policy: str = "stop"
+    """A non-finite loss without an fp16 loss scaler: `stop` ends the run with an error
+    naming the step (`NonFiniteLossError`, exit 1), keeping the last good checkpoint; `skip`
+    skips that optimizer step (counted as `nonfinite_skipped_steps`) and stops after
+    `MAX_NONFINITE_SKIPS` consecutive ones."""
 
     def __post_init__(self) -> None:
         if self.epochs is not None and self.steps is not None:
@@ -93,6 +100,9 @@ class TrainConfig:
             if value is not None and not value >= low or (name == "epochs" and value == 0):
                 allowed = "> 0" if name == "epochs" else f">= {low}"
                 raise ConfigError(f"{name}={value} is out of range; allowed: {allowed}")
+        if self.nan_policy not in U.NAN_POLICIES:
+            raise ConfigError(f"nan_policy={self.nan_policy!r} is not valid; allowed: "
+                              f"{', '.join(U.NAN_POLICIES)}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -194,6 +204,9 @@ class _Trainer:
         if run.adaptive is not None and hasattr(run.adaptive, "limit_batch_size"):
             run.adaptive.limit_batch_size(len(task.train_set))
         self.samples, self.elapsed_before = 0, 0.0
+        self.guard = (U.NonFiniteGuard(config.nan_policy, world, world.device,
+                                       MAX_NONFINITE_SKIPS, config.out)
+                      if run.scaler is None else None)
         if ckpt is not None:
             self._restore(ckpt)
         else:
@@ -223,6 +236,8 @@ class _Trainer:
         self.sampler.load_state_dict(ckpt["sampler"])
         self.samples = int(ckpt.get("samples", 0))
         self.elapsed_before = float(ckpt.get("wall_time_s", 0.0))
+        if self.guard is not None:
+            self.guard.skipped = int(ckpt.get("nonfinite_skipped_steps", 0))
         rngs, w = ckpt["rng"], self.world
         if len(rngs) == w.world_size:
             set_rng_state(rngs[w.rank])
@@ -246,22 +261,35 @@ class _Trainer:
     def fit(self) -> dict[str, Any]:
         run, sampler, device = self.run, self.sampler, self.world.device
         loss_acc = torch.zeros(2, dtype=torch.float64, device=device)
+        step_loss = torch.zeros(2, dtype=torch.float64, device=device)
         self.samples_per_s: list[float] = []
         metrics: dict[str, float] | None = None
         t_loop = time.perf_counter()
         t_log, eval_at_log, samples_at_log = t_loop, 0.0, self.samples
         while not run.done:
             for micro_batches in sampler:
+                skipped = False
                 for idx in micro_batches:
                     batch = U.fetch(self.task.train_set, idx, device)
                     t0 = time.perf_counter()
-                    with run.micro_step() as ms:  # forward, backward, (k-th) optimizer step
-                        loss_sum, count = self.task.loss(run.model(batch[0]), batch)
-                        ms.backward(loss_sum, count=count)
+                    try:
+                        with run.micro_step() as ms:  # forward, backward, (k-th) optimizer step
+                            loss_sum, count = self.task.loss(run.model(batch[0]), batch)
+                            if self.guard is not None:  # may skip the step, or stop
+                                self.guard.check(ms, loss_sum, run.step + 1)
+                            ms.backward(loss_sum, count=count)
+                    except U._SkipStep:
+                        self.guard.discard(run)
+                        skipped = True
                     self.timer["compute"] += time.perf_counter() - t0
-                    loss_acc[0] += loss_sum.detach().double()
-                    loss_acc[1] += count
+                    step_loss[0] += loss_sum.detach().double()
+                    step_loss[1] += count
                 self.samples += sampler.global_batch_size
+                if not skipped:  # a skipped step's loss stays out of the logged mean
+                    loss_acc += step_loss
+                step_loss.zero_()
+                if skipped:
+                    continue
                 if run.step % self.log_every == 0 or run.done:
                     dt = time.perf_counter() - t_log - (self.timer["eval"] - eval_at_log)
                     self._log_train(loss_acc, (self.samples - samples_at_log) / max(dt, 1e-9))
@@ -335,6 +363,7 @@ class _Trainer:
                 "strategy": self.strategy.to_dict(),
                 "config": self.config.to_dict(),
                 "wall_time_s": self.elapsed_before + time.perf_counter() - self.t_start,
+                "nonfinite_skipped_steps": self.guard.skipped if self.guard else 0,
             }, keep=self.config.keep_checkpoints)
         self.timer["checkpoint"] += time.perf_counter() - t0
 
@@ -360,6 +389,7 @@ class _Trainer:
             "samples_per_s": (float(np.median(self.samples_per_s))
                               if self.samples_per_s else None),
             "skipped_steps": run.skipped_steps,
+            "nonfinite_skipped_steps": self.guard.skipped if self.guard else 0,
             "batch_size_changes": list(run.batch_size_changes),
             "time_s": {"steps": step_time, "compute": timer["compute"], "eval": timer["eval"],
                        "checkpoint": timer["checkpoint"]},

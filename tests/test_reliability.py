@@ -1,0 +1,120 @@
+"""Reliability of `bigbatch train`: non-finite losses (`nan_policy`), a killed worker, hangs."""
+
+import importlib
+import json
+import math
+
+import pytest
+import torch
+
+from bigbatch.checkpoint import latest_checkpoint, load_checkpoint
+from bigbatch.cli import main
+from bigbatch.strategy import Strategy
+from bigbatch.train import NonFiniteLossError, TrainConfig, train
+
+T = importlib.import_module("bigbatch.train")  # the module (bigbatch.train is also a function)
+
+SMALL = {"num_samples": 1000}  # 800 train samples: 12 steps of 64 per epoch
+STRATEGY = """
+[batch]
+global_batch_size = 64
+base_batch_size = 64
+base_lr = 0.05
+warmup_steps = 0
+decay = "none"
+
+[optimizer]
+type = "momentum"
+"""
+
+
+@pytest.fixture(autouse=True)
+def env(tmp_path_factory, monkeypatch):
+    cache = tmp_path_factory.getbasetemp() / "xdg-cache"  # shared: data generated once
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID",
+                 "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _config(out, **kw):
+    base = dict(task="mnist1d", model="mlp", task_options=SMALL, steps=8, out=str(out),
+                checkpoint_every=2, log_every=1, progress=False, tensorboard=False)
+    return TrainConfig(**{**base, **kw})
+
+
+def _nan_at(monkeypatch, steps):
+    """Make the task's loss NaN at these optimizer steps (1-based; one micro-step per step)."""
+    real = T.get_task
+    calls = []
+
+    def get_task(*args, **kw):
+        task = real(*args, **kw)
+        loss = task.loss
+
+        def nan_loss(out, batch):
+            calls.append(1)
+            total, count = loss(out, batch)
+            return (total * math.nan if len(calls) in steps else total), count
+
+        task.loss = nan_loss
+        return task
+
+    monkeypatch.setattr(T, "get_task", get_task)
+
+
+def _finite(state):
+    return all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+
+
+def test_nan_policy_stop_names_the_step_and_keeps_the_last_good_checkpoint(tmp_path,
+                                                                           monkeypatch):
+    out = tmp_path / "run"
+    _nan_at(monkeypatch, {3})
+    with pytest.raises(NonFiniteLossError, match="non-finite loss at optimizer step 3 "):
+        train(_config(out), Strategy.from_toml(STRATEGY))
+    assert not (out / "final.pt").exists() and not (out / "summary.json").exists()
+    ckpt = latest_checkpoint(out)
+    assert ckpt is not None and load_checkpoint(ckpt)["step"] == 2
+    assert _finite(load_checkpoint(ckpt)["model"])
+
+
+def test_nan_policy_skip_skips_and_counts_then_stops_when_it_persists(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    _nan_at(monkeypatch, {3, 4})
+    summary = train(_config(out, nan_policy="skip"), Strategy.from_toml(STRATEGY))
+    assert summary["steps"] == 8 and summary["nonfinite_skipped_steps"] == 2
+    assert summary["samples"] == 10 * 64  # the skipped steps' batches were drawn
+    assert json.loads((out / "summary.json").read_text())["nonfinite_skipped_steps"] == 2
+    assert _finite(torch.load(out / "final.pt", weights_only=True))
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [x["loss"] for x in lines if x["kind"] == "train"]
+    assert len(losses) == 8 and all(math.isfinite(v) for v in losses)
+
+    _nan_at(monkeypatch, set(range(3, 100)))
+    with pytest.raises(NonFiniteLossError, match="at 10 consecutive optimizer steps, the last "
+                                                  "at step 3 "):
+        train(_config(out, nan_policy="skip", steps=20), Strategy.from_toml(STRATEGY))
+    assert not (out / "final.pt").exists()
+    assert _finite(load_checkpoint(latest_checkpoint(out))["model"])
+
+
+def test_cli_nan_policy_exits_1_with_one_line(tmp_path, monkeypatch, capsys):
+    _nan_at(monkeypatch, {2})
+    cfg = tmp_path / "s.toml"
+    cfg.write_text(STRATEGY)
+    code = main(["train", "--nproc", "1", "--config", str(cfg), "--out", str(tmp_path / "o"),
+                 "--task-opt", "num_samples=1000", "--model", "mlp", "--steps", "4",
+                 "--no-progress", "--no-tensorboard", "--nan-policy", "stop"])
+    err = capsys.readouterr().err
+    assert code == 1
+    last = err.splitlines()[-1]
+    assert last.startswith("bigbatch train: error: non-finite loss at optimizer step 2 "), err
+    assert err.count("error:") == 1 and "Traceback" not in err
+    assert main(["train", "--nan-policy", "never"]) == 2
+    with pytest.raises(Exception, match="nan_policy='never' is not valid; allowed: stop, skip"):
+        TrainConfig(nan_policy="never")
