@@ -118,3 +118,27 @@ def test_cli_nan_policy_exits_1_with_one_line(tmp_path, monkeypatch, capsys):
     assert main(["train", "--nan-policy", "never"]) == 2
     with pytest.raises(Exception, match="nan_policy='never' is not valid; allowed: stop, skip"):
         TrainConfig(nan_policy="never")
+
+
+def _skip_on_rank1(config, strategy_text):
+    import torch.distributed as dist
+
+    mp = pytest.MonkeyPatch()
+    if dist.get_rank() == 1:  # only one worker sees it: all must skip together
+        _nan_at(mp, {3})
+    try:
+        return train(config, Strategy.from_toml(strategy_text))["nonfinite_skipped_steps"]
+    finally:
+        mp.undo()
+
+
+def test_two_workers_skip_together(tmp_path):
+    from bigbatch.tasks import get_task
+    from tests._dist import run_workers
+
+    get_task("mnist1d", **SMALL)  # fill the cache before the workers start
+    out = tmp_path / "run"
+    got = run_workers(_skip_on_rank1, 2, (_config(out, nan_policy="skip", steps=4), STRATEGY),
+                      timeout=120, init_group=True)
+    assert got == [1, 1]
+    assert _finite(torch.load(out / "final.pt", weights_only=True))
