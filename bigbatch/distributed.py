@@ -127,15 +127,31 @@ def init_distributed(config: Any = None, world: World | None = None) -> World:
         torch.cuda.set_device(world.device)
         # Binding the group to the device lets NCCL connect eagerly and fail early.
         kwargs["device_id"] = world.device
-    dist.init_process_group(
-        backend=backend,
-        init_method="env://",
-        rank=world.rank,
-        world_size=world.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        **kwargs,
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = _restart_store(world, timeout)
+    if store is not None:
+        kwargs["store"] = store
+    else:
+        kwargs["init_method"] = "env://"
+    dist.init_process_group(backend=backend, rank=world.rank, world_size=world.world_size,
+                            timeout=timeout, **kwargs)
     return world
+
+
+def _restart_store(world: World, timeout: datetime.timedelta) -> Any:
+    """Under torchrun's agent store, a store whose keys are this restart's own, else None.
+
+    The agent's TCPStore outlives a worker-group restart, and `env://` reads the group's
+    keys unprefixed: restarted workers would find the dead group's gloo addresses and
+    fail to connect ("Connection refused"). Prefixing by TORCHELASTIC_RESTART_COUNT keeps
+    each attempt apart.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          world.world_size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"bigbatch/attempt_{attempt}/", store)
 
 
 def teardown() -> None:

@@ -3,6 +3,13 @@
 import importlib
 import json
 import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,3 +149,84 @@ def test_two_workers_skip_together(tmp_path):
                       timeout=120, init_group=True)
     assert got == [1, 1]
     assert _finite(torch.load(out / "final.pt", weights_only=True))
+
+
+# ------------------------------------------------------------ lost worker, hangs (torchrun)
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCH = ["--task-opt", "num_samples=1000", "--set", "batch.global_batch_size=64",
+          "--set", "batch.base_batch_size=32", "--set", "batch.warmup_epochs=0",
+          "--no-progress", "--no-tensorboard", "--nproc", "2"]
+
+
+def _env(tmp_path, **extra):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID",
+                        "TORCHELASTIC_RESTART_COUNT")}
+    env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def _children(pid):
+    """Pids whose parent is `pid` (from /proc)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _worker_pid(launcher_pid, rank):
+    """The pid of worker `rank` under `bigbatch train` -> torchrun -> workers, or None."""
+    for torchrun in _children(launcher_pid):
+        for pid in _children(torchrun):
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in env:
+                return pid
+    return None
+
+
+@pytest.mark.slow
+def test_killed_worker_is_restarted_and_ends_with_the_same_weights(tmp_path):
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    args = [sys.executable, "-m", "bigbatch", "train", *LAUNCH, "--steps", "40",
+            "--checkpoint-every", "2"]
+    p = subprocess.run([*args, "--out", str(full)], cwd=ROOT, env=_env(tmp_path),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    proc = subprocess.Popen([*args, "--max-restarts", "1", "--out", str(cut)], cwd=ROOT,
+                            env=_env(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        victim, at = None, random.randrange(2, 20, 2)  # kill after the checkpoint of step `at`
+        print(f"killing rank 1 after step {at}'s checkpoint")
+        while time.monotonic() < deadline:
+            ckpts = [int(p.stem[5:]) for p in (cut / "checkpoints").glob("step-*.pt")]
+            victim = _worker_pid(proc.pid, rank=1) if max(ckpts, default=0) >= at else None
+            if victim is not None:
+                break
+            time.sleep(0.1)
+        assert victim is not None, "no worker found"
+        os.kill(victim, signal.SIGKILL)
+        assert not (cut / "final.pt").exists(), "finished before the kill"
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    assert proc.returncode == 0, output[-3000:]
+    assert "resuming" in output, output[-3000:]
+    a = torch.load(full / "final.pt", weights_only=True)
+    b = torch.load(cut / "final.pt", weights_only=True)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert json.loads((cut / "summary.json").read_text())["steps"] == 40
