@@ -110,6 +110,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="optimizer steps between checkpoints (default: once per epoch)")
     t.add_argument("--log-every", type=_positive_int, metavar="N",
                    help="optimizer steps between metrics lines (default: ~10 per epoch)")
+    t.add_argument("--timeout", type=_positive_float, metavar="SECONDS",
+                   help="seconds a worker waits for its peers in a collective or the "
+                   "rendezvous (= --set data_parallel.timeout_s=SECONDS; default 300)")
     t.add_argument("--nan-policy", choices=("stop", "skip"),
                    help="on a non-finite loss (fp32/bf16): stop with an error, exit 1 "
                    "(default), or skip the step (stops after 10 in a row)")
@@ -216,7 +219,10 @@ def resolve(args: argparse.Namespace):
         strategy = Strategy.from_toml(out / "strategy.toml")
     else:
         strategy = Strategy.from_toml(cls.demo_strategy)
-    strategy = strategy.with_overrides(args.overrides)
+    overrides = list(args.overrides)
+    if args.timeout is not None:
+        overrides.append(f"data_parallel.timeout_s={args.timeout}")
+    strategy = strategy.with_overrides(overrides)
     if config.model is not None and config.model not in cls.models:
         raise ConfigError(
             f"model={config.model!r} is not a model of task {config.task!r}; "
@@ -365,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         from bigbatch.study import run_study_command
 
         return run_study_command(args)
+    strategy = None
     try:
         if args.command == "gns":
             from bigbatch.gns_probe import run_gns_command
@@ -386,12 +393,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"bigbatch {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except RuntimeError as e:
+    except RuntimeError as e:  # exit 1: the run failed, not its input
+        from bigbatch.distributed import is_peer_failure
         from bigbatch.train import NonFiniteLossError
 
-        if not isinstance(e, NonFiniteLossError):
+        if isinstance(e, NonFiniteLossError):
+            print(f"bigbatch {args.command}: error: {e}", file=sys.stderr)
+        elif args.command == "train" and under_launcher() and is_peer_failure(e):
+            timeout = strategy.data_parallel.timeout_s if strategy is not None else 300.0
+            print(f"bigbatch train: error: a peer did not answer within data_parallel.timeout_s="
+                  f"{timeout:g}s (dead or hung worker)", file=sys.stderr)
+        else:
             raise
-        print(f"bigbatch {args.command}: error: {e}", file=sys.stderr)  # exit 1: a run failure
         return 1
     except OSError as e:
         from bigbatch.checkpoint import CheckpointSaveError

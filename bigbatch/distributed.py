@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from bigbatch.errors import ConfigError
 
-__all__ = ["World", "all_reduce_sum", "init_distributed", "resolve_backend", "teardown"]
+__all__ = ["World", "all_reduce_sum", "init_distributed", "is_peer_failure", "resolve_backend",
+           "teardown"]
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -168,3 +169,17 @@ def all_reduce_sum(tensor: torch.Tensor, async_op: bool = False) -> Any:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=async_op)
+
+
+# What gloo, NCCL and the TCPStore say when a peer is gone or does not answer in time.
+_PEER_FAILURE_TEXT = ("timed out", "timeout", "connection reset by peer",
+                      "connection closed by peer", "connection refused", "broken pipe")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """True for the errors of a collective or rendezvous whose peer died or hung."""
+    if isinstance(exc, dist.DistError) and not isinstance(exc, dist.DistStoreError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, (RuntimeError, dist.DistError)) and any(
+        t in text for t in _PEER_FAILURE_TEXT)

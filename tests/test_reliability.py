@@ -230,3 +230,61 @@ def test_killed_worker_is_restarted_and_ends_with_the_same_weights(tmp_path):
     for k in a:
         assert torch.equal(a[k], b[k]), k
     assert json.loads((cut / "summary.json").read_text())["steps"] == 40
+
+
+def _hang_on_rank1(argv, cache):
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    os.environ["XDG_CACHE_HOME"] = cache
+    mp = pytest.MonkeyPatch()
+    rank = int(os.environ["RANK"])
+    real = T.get_task
+
+    def get_task(*args, **kw):  # rank 1 hangs in its second forward
+        task = real(*args, **kw)
+        loss, calls = task.loss, []
+
+        def slow_loss(out, batch):
+            calls.append(1)
+            if rank == 1 and len(calls) == 2:
+                time.sleep(8)
+            return loss(out, batch)
+
+        task.loss = slow_loss
+        return task
+
+    mp.setattr(T, "get_task", get_task)
+    err = io.StringIO()
+    t0 = time.monotonic()
+    try:
+        with contextlib.redirect_stderr(err):
+            code = main(argv)
+    finally:
+        mp.undo()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return code, err.getvalue(), time.monotonic() - t0
+
+
+def test_hung_peer_ends_the_run_with_one_line(tmp_path):
+    from bigbatch.tasks import get_task
+    from tests._dist import run_workers
+
+    cache = os.environ["XDG_CACHE_HOME"]
+    get_task("mnist1d", **SMALL)  # fill the cache before the workers start
+    cfg = tmp_path / "s.toml"
+    cfg.write_text(STRATEGY)
+    argv = ["train", "--config", str(cfg), "--out", str(tmp_path / "o"), "--task-opt",
+            "num_samples=1000", "--model", "mlp", "--steps", "6", "--no-progress",
+            "--no-tensorboard", "--timeout", "3"]
+    got = run_workers(_hang_on_rank1, 2, (argv, cache), timeout=120)
+    code, err, seconds = got[0]  # rank 0 waited for rank 1
+    assert code == 1, err
+    last = err.strip().splitlines()[-1]
+    assert last == ("bigbatch train: error: a peer did not answer within "
+                    "data_parallel.timeout_s=3s (dead or hung worker)"), err
+    assert "Traceback" not in err and seconds < 60
+    assert got[1][0] == 1  # and rank 1 does not wait forever either
