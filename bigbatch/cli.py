@@ -243,6 +243,8 @@ def _launcher_argv(args: argparse.Namespace, argv: list[str]) -> list[str]:
             cmd += [dest, str(value)]
     if multi_node and args.rdzv_backend is None:
         cmd += ["--rdzv-backend", "c10d"]
+    if args.timeout is not None:  # bounds torchrun's rendezvous too (its default: 600 s)
+        cmd += ["--rdzv-conf", f"join_timeout={max(1, round(args.timeout))}"]
     cmd += ["-m", "bigbatch", *_strip_launch_flags(argv)]
     return cmd
 

@@ -288,3 +288,15 @@ def test_hung_peer_ends_the_run_with_one_line(tmp_path):
                     "data_parallel.timeout_s=3s (dead or hung worker)"), err
     assert "Traceback" not in err and seconds < 60
     assert got[1][0] == 1  # and rank 1 does not wait forever either
+
+
+def test_timeout_flag_sets_the_collective_and_rendezvous_timeouts(tmp_path):
+    from bigbatch.cli import _launcher_argv, build_parser, resolve
+
+    argv = ["train", "--out", str(tmp_path), "--nproc", "2", "--timeout", "42.5"]
+    args = build_parser("train").parse_args(argv)
+    assert resolve(args)[1].data_parallel.timeout_s == 42.5
+    cmd = _launcher_argv(args, argv[1:])
+    assert cmd[cmd.index("--rdzv-conf") + 1] == "join_timeout=42"
+    assert cmd[cmd.index("bigbatch") + 1:].count("--timeout") == 1  # workers get it too
+    assert main(["train", "--timeout", "0"]) == 2
