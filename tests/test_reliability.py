@@ -300,3 +300,13 @@ def test_timeout_flag_sets_the_collective_and_rendezvous_timeouts(tmp_path):
     assert cmd[cmd.index("--rdzv-conf") + 1] == "join_timeout=42"
     assert cmd[cmd.index("bigbatch") + 1:].count("--timeout") == 1  # workers get it too
     assert main(["train", "--timeout", "0"]) == 2
+
+
+def test_skip_under_gradient_merge_drops_the_whole_step(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    _nan_at(monkeypatch, {3})  # the first micro-step of optimizer step 2 (k_steps = 2)
+    merged = STRATEGY + "\n[gradient_merge]\nk_steps = 2\n"
+    summary = train(_config(out, nan_policy="skip", steps=4), Strategy.from_toml(merged))
+    assert summary["k_steps"] == 2 and summary["steps"] == 4
+    assert summary["nonfinite_skipped_steps"] == 1
+    assert _finite(torch.load(out / "final.pt", weights_only=True))
