@@ -16,7 +16,7 @@ from .scaling import scale_lr
 from .schedules import Schedule
 from .strategy import BatchPlan, Strategy
 from .tasks import get_task
-from .train import TrainConfig, train
+from .train import TrainConfig
 
 __version__ = "0.1.0"
 
@@ -24,7 +24,7 @@ __all__ = [
     "LARS", "LAMB", "param_groups",
     "Strategy", "BatchPlan", "Schedule", "scale_lr",
     "prepare", "Run",
-    "train", "TrainConfig", "get_task",
+    "TrainConfig", "get_task",
     "GradientNoiseScale", "AdaScale",
     "ConfigError",
     "adascale", "adasum", "gns", "scaling", "schedules",
