@@ -91,26 +91,3 @@ def run_workers(fn: Callable, world_size: int = 2, args: tuple = (), timeout: fl
         if errors:
             raise RuntimeError("\n".join(errors))
         return results
-
-
-def spawn_forkserver(fn: Callable, world: int, preload: list[str], timeout: float = 90.0) -> None:
-    """Run `fn(rank, world, port)` in `world` processes forked from one fork server.
-
-    The server imports `preload` once (torch, and what DDP imports lazily:
-    torch._dynamo), so each worker is a cheap fork. A worker's failure fails the
-    test; so does running past `timeout` seconds, after killing the workers.
-    """
-    import multiprocessing
-
-    import pytest
-    import torch.multiprocessing as tmp
-
-    multiprocessing.set_forkserver_preload(preload)
-    ctx = tmp.start_processes(fn, args=(world, free_port()), nprocs=world, join=False,
-                              start_method="forkserver")
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{world}-process test timed out after {timeout}s")

@@ -1,14 +1,17 @@
 """Adasum: the pairwise rule, the sequential tree, and the collective/DDP hook on 2, 3, 4 ranks."""
 
 import copy
+import multiprocessing
+import socket
+import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from bigbatch.adasum import adasum, adasum_allreduce, adasum_hook, adasum_reduce
-from tests._dist import spawn_forkserver
 
 
 def _by_hand(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -73,9 +76,27 @@ def test_reduce_tree_shapes():
 # ----------------------------------------------------------------------------- processes
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _spawn(fn, world: int, timeout: float = 90.0) -> None:
-    spawn_forkserver(fn, world, ["torch", "torch.distributed", "torch._dynamo", "pytest",
-                                 "bigbatch.adasum"], timeout)
+    # A fork server imports torch once (and what DDP imports lazily: torch._dynamo); every
+    # worker process is then a cheap fork of it.
+    multiprocessing.set_forkserver_preload(
+        ["torch", "torch.distributed", "torch._dynamo", "pytest", "bigbatch.adasum"]
+    )
+    ctx = mp.start_processes(
+        fn, args=(world, _free_port()), nprocs=world, join=False, start_method="forkserver"
+    )
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{world}-process test timed out after {timeout}s")
 
 
 SHAPES = [(3, 4), (5,), (2, 2, 2), (1,)]

@@ -15,11 +15,15 @@ from __future__ import annotations
 import copy
 import io
 import math
+import multiprocessing
+import socket
+import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from bigbatch import gns
 from bigbatch.errors import ConfigError
@@ -32,7 +36,6 @@ from bigbatch.gns import (
     merge_sq_norms,
     sq_norm,
 )
-from tests._dist import spawn_forkserver
 
 D, NOISE = 6, 0.7
 
@@ -301,9 +304,27 @@ def test_ddp_sq_norms_single_process_is_none():
 # ----------------------------------------------------------------------------- 2 processes
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _spawn(fn, world: int, timeout: float = 90.0) -> None:
-    spawn_forkserver(fn, world, ["torch", "torch.distributed", "torch._dynamo", "pytest",
-                                 "bigbatch.gns"], timeout)
+    # A fork server imports torch once (and what DDP imports lazily: torch._dynamo); every
+    # worker process is then a cheap fork of it.
+    multiprocessing.set_forkserver_preload(
+        ["torch", "torch.distributed", "torch._dynamo", "pytest", "bigbatch.gns"]
+    )
+    ctx = mp.start_processes(
+        fn, args=(world, _free_port()), nprocs=world, join=False, start_method="forkserver"
+    )
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{world}-process test timed out after {timeout}s")
 
 
 def _ddp_worker(rank: int, world: int, port: int) -> None:
