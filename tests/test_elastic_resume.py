@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 from bigbatch.strategy import Strategy
 from bigbatch.tasks import get_task
@@ -26,16 +25,7 @@ noise_scale = true
 """
 
 
-@pytest.fixture(autouse=True)
-def env(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "xdg-cache"))
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID",
-                 "TORCHELASTIC_RESTART_COUNT"):
-        monkeypatch.delenv(name, raising=False)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("train_env")
 
 
 def _config(out, **kw):

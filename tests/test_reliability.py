@@ -35,17 +35,7 @@ type = "momentum"
 """
 
 
-@pytest.fixture(autouse=True)
-def env(tmp_path_factory, monkeypatch):
-    cache = tmp_path_factory.getbasetemp() / "xdg-cache"  # shared: data generated once
-    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID",
-                 "TORCHELASTIC_RESTART_COUNT"):
-        monkeypatch.delenv(name, raising=False)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("train_env")
 
 
 def _config(out, **kw):

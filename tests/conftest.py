@@ -1,0 +1,21 @@
+"""Fixtures shared by the test files."""
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def train_env(tmp_path_factory, monkeypatch):
+    """In-process `train()` as a fresh single worker would see it.
+
+    One data cache for the whole session (MNIST-1D is generated once), no
+    torchrun variables leaking in from the environment, and one intra-op thread.
+    """
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "xdg-cache"))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID",
+                 "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
