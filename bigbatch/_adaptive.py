@@ -21,7 +21,6 @@ taken to the power 0.5 (AdamScale).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from collections.abc import Sequence
@@ -34,8 +33,6 @@ from bigbatch.adascale import AdaScale
 from bigbatch.errors import ConfigError
 from bigbatch.gns import ConsecutiveSteps, GradientNoiseScale, sq_norm
 from bigbatch.goodput import GoodputTuner, Suggestion
-from bigbatch.scaling import scale_lr
-from bigbatch.schedules import warmup_start_lr
 
 if TYPE_CHECKING:
     from bigbatch._grad_info import GradInfo
@@ -86,17 +83,22 @@ def _goodput_limits(a: Any, plan: Any) -> tuple[int, int]:
 
 
 def schedule_steps(strategy: Any, world_size: int, samples_per_epoch: int,
-                   epochs: float) -> tuple[int, int]:
+                   epochs: float, unit_batch_size: int | None = None) -> tuple[int, int]:
     """`(total_steps, steps_per_epoch)` to pass to `prepare()` for `epochs` epochs.
 
-    Steps of the configured global batch; with AdaScale, scale-1 steps (steps of
-    `batch.base_batch_size`), which is what its progress counts.
+    Steps of `unit_batch_size` samples (default: the configured global batch; on
+    resume, the checkpoint's `run.unit_batch_size`); with AdaScale, scale-1 steps
+    (steps of `batch.base_batch_size`), which is what its progress counts.
     """
-    plan = strategy.resolve(world_size)
-    adascale = getattr(strategy, "adaptive", None) is not None and strategy.adaptive.lr == "adascale"
-    batch = strategy.batch.base_batch_size if adascale else plan.global_batch_size
-    spe = max(1, samples_per_epoch // batch)
+    unit = unit_batch_size or unit_of(strategy, strategy.resolve(world_size))
+    spe = max(1, samples_per_epoch // unit)
     return max(1, round(epochs * spe)), spe
+
+
+def unit_of(strategy: Any, plan: Any) -> int:
+    """Samples of one schedule step: the global batch, or the base batch under AdaScale."""
+    adascale = getattr(strategy, "adaptive", None) is not None and strategy.adaptive.lr == "adascale"
+    return strategy.batch.base_batch_size if adascale else plan.global_batch_size
 
 
 def preconditioned_grads(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
@@ -188,8 +190,6 @@ class Adaptive:
             power = 0.5 if self.preconditioned else 1.0
             self.adascale = AdaScale(strategy.batch.base_batch_size, run.plan.global_batch_size,
                                      power=power)
-        self.configured_plan = run.plan
-        """The plan `prepare()` resolved; goodput moves away from it and progress counts it."""
         self.tuner: GoodputTuner | None = None
         if a.batch_size == "goodput":
             lo, hi = _goodput_limits(a, run.plan)
@@ -202,7 +202,6 @@ class Adaptive:
         """When a list: each step's (step, sq_norm, trace, small_batch, big_batch) is appended."""
         self.measure_step_time = True
         """Record the engine's step times in `tuner` (tests feed synthetic ones instead)."""
-        self._base_schedule = run.schedule
         self._consecutive = _Consecutive()
         self._pending: list[tuple[int, Any, Any, float, float, float]] = []
         self._warm = 1  # steps whose time is not recorded (first step, after a change)
@@ -303,7 +302,7 @@ class Adaptive:
         self.last_suggestion = s
         if s.changed:
             old = run.plan
-            self._set_plan(s.micro_batch_size, s.k_steps)
+            self.run.set_batch(s.micro_batch_size, s.k_steps)
             entry = {"step": run.step, "old": old.global_batch_size,
                      "new": run.plan.global_batch_size, "micro_batch_size": s.micro_batch_size,
                      "k_steps": s.k_steps, "reason": s.reason}
@@ -314,22 +313,10 @@ class Adaptive:
             log.debug("step %d: %s", run.step, s.reason)
         return s
 
-    def _set_plan(self, micro: int, k: int) -> None:
-        run, b = self.run, self.run.strategy.batch
-        g = int(micro) * int(k) * run.world.world_size
-        scale = g / b.base_batch_size
-        peak = scale_lr(b.base_lr, scale, b.scaling)
-        run.plan = dataclasses.replace(run.plan, global_batch_size=g, micro_batch_size=int(micro),
-                                       k_steps=int(k), world_size=run.world.world_size,
-                                       scale=scale, peak_lr=peak)
-        run.k_steps = int(k)
-        if self.adascale is not None:
-            self.adascale.set_batch_size(g)  # scaling is "none": the schedule stays
-        else:
-            run.schedule = dataclasses.replace(self._base_schedule, peak_lr=peak,
-                                               warmup_start_lr=warmup_start_lr(b.base_lr, peak))
-            # Progress counts configured-batch steps, so the run's length stays in samples.
-            run.progress_rate = g / self.configured_plan.global_batch_size
+    def on_batch_change(self) -> None:
+        """Called by `Run.set_batch` (goodput's decisions, an elastic resume)."""
+        if self.adascale is not None:  # batch.scaling is "none": its gain scales the LR
+            self.adascale.set_batch_size(self.run.plan.global_batch_size)
         self._consecutive.reset()
         self._warm = 1
 
@@ -363,13 +350,10 @@ class Adaptive:
 
     def state_dict(self) -> dict[str, Any]:
         self.flush()
-        plan = self.run.plan
         return {
             "tracker": self.tracker.state_dict(),
             "adascale": None if self.adascale is None else self.adascale.state_dict(),
             "tuner": None if self.tuner is None else self.tuner.state_dict(),
-            "plan": [plan.global_batch_size, plan.micro_batch_size, self.run.k_steps,
-                     plan.world_size],
             "batch_size_changes": [dict(c) for c in self.run.batch_size_changes],
             "consecutive": self._consecutive.state_dict(),
         }
@@ -380,21 +364,10 @@ class Adaptive:
         self.tracker.load_state_dict(state["tracker"])
         if self.adascale is not None and state.get("adascale") is not None:
             self.adascale.load_state_dict(state["adascale"])
+            self.adascale.set_batch_size(run.plan.global_batch_size)
         if self.tuner is not None and state.get("tuner") is not None:
             self.tuner.load_state_dict(state["tuner"])
         run.batch_size_changes[:] = [dict(c) for c in state.get("batch_size_changes", [])]
-        g, micro, k, world = (int(v) for v in state["plan"])
-        if (g, micro, k) != (run.plan.global_batch_size, run.plan.micro_batch_size, run.k_steps):
-            W = run.world.world_size
-            if world != W:  # another world size: keep the global batch and micro if they fit
-                if g % (micro * W):
-                    log.warning("resume on %d workers: global batch %d does not split into "
-                                "micro %d; keeping the configured plan", W, g, micro)
-                    micro = k = 0
-                else:
-                    k = g // (micro * W)
-            if micro:
-                self._set_plan(micro, k)
         self._consecutive.load_state_dict(state["consecutive"], run.world.device)
         self._warm = 1
 

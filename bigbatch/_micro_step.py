@@ -20,7 +20,7 @@ __all__ = ["MicroStep"]
 
 
 class MicroStep:
-    """One micro-step: enter around forward and backward, call `backward` once."""
+    """One micro-step: enter around forward and backward, call `backward` (or `skip`) once."""
 
     __slots__ = ("_run", "_contexts", "is_last", "stepped", "skipped", "_called", "_t0")
 
@@ -32,7 +32,7 @@ class MicroStep:
         self.stepped = False
         """After the block: the optimizer stepped (False while merging, and on overflow)."""
         self.skipped = False
-        """After the block: the step was skipped for inf/nan gradients (fp16)."""
+        """After the block: the optimizer step was skipped (fp16 inf/nan gradients, `skip()`)."""
         self._called = False
         self._t0 = 0.0
 
@@ -87,6 +87,19 @@ class MicroStep:
         else:
             loss.backward()
 
+    def skip(self) -> None:
+        """Instead of `backward`: drop this optimizer step (see `Run.skip_step`).
+
+        No backward for this micro-batch; the merge window's gradients so far are
+        dropped, the optimizer does not step and the schedule stays. With several
+        workers every worker must skip alike (decide on an all-reduced flag).
+        """
+        if self._called:
+            raise RuntimeError("ms.skip() after ms.backward() in one micro-step")
+        self._called = True
+        self.skipped = True
+        self._run.skip_step()
+
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         for ctx in reversed(self._contexts):
             ctx.__exit__(exc_type, exc, tb)
@@ -95,6 +108,8 @@ class MicroStep:
         if not self._called:
             raise RuntimeError("call ms.backward(loss) inside `with run.micro_step() as ms:`")
         run = self._run
+        if self.skipped:  # skip(): the window is gone
+            return False
         if self.is_last:
             self.skipped = run._finish_step(self._t0)
             self.stepped = not self.skipped

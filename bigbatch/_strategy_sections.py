@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from bigbatch._strategy_util import check_fields, closest, unknown_key_message
+from bigbatch.elastic import ELASTIC_MODES
 from bigbatch.errors import ConfigError
 from bigbatch.scaling import RULES
 from bigbatch.schedules import DECAYS
@@ -69,6 +70,10 @@ class BatchConfig(_Section):
     """step decay: LR factor applied at each milestone."""
     final_lr_ratio: float = _f(0.0, ge=0, le=1)
     """cosine/poly decay: final LR as a fraction of the peak LR."""
+    elastic: str = _f("keep", choices=ELASTIC_MODES)
+    """Resuming on another number of workers: keep the global batch (micro batch or k_steps
+    adjust), or scale it with the world size (each worker's micro batch and k_steps kept,
+    the peak LR follows `scaling`). See `bigbatch.elastic`."""
 
     def _check(self) -> None:
         if self.warmup_steps and self.warmup_epochs:

@@ -87,10 +87,6 @@ class NonFiniteLossError(RuntimeError):
     """Training met a non-finite loss it may not skip (`nan_policy`); the CLI exits 1."""
 
 
-class _SkipStep(Exception):
-    """Raised inside the last micro-step's block so the engine takes no optimizer step."""
-
-
 class NonFiniteGuard:
     """`nan_policy` in fp32/bf16 (fp16 overflow is the loss scaler's): watches the losses.
 
@@ -106,11 +102,11 @@ class NonFiniteGuard:
         """Optimizer steps skipped for a non-finite loss (all of the run)."""
         self.consecutive = 0
 
-    def check(self, ms: Any, loss: torch.Tensor, step: int) -> None:
-        """Inside a micro-step's block, before `ms.backward`: raise `_SkipStep` to skip."""
+    def should_skip(self, ms: Any, loss: torch.Tensor, step: int) -> bool:
+        """Inside a micro-step's block, before `ms.backward`: True to `ms.skip()` the step."""
         self.flag += (~torch.isfinite(loss.detach())).any().double()
         if not ms.is_last:
-            return
+            return False
         flag = self.flag
         if self.world.is_distributed:
             dist.all_reduce(flag, op=dist.ReduceOp.SUM)
@@ -118,7 +114,7 @@ class NonFiniteGuard:
         self.flag.zero_()
         if not bad:
             self.consecutive = 0
-            return
+            return False
         keep = f"no checkpoint was written after it (in {self.out}/checkpoints)"
         if self.policy == "stop":
             raise NonFiniteLossError(
@@ -128,10 +124,24 @@ class NonFiniteGuard:
             raise NonFiniteLossError(
                 f"non-finite loss at {self.consecutive} consecutive optimizer steps, the last "
                 f"at step {step} (nan_policy=skip); {keep}")
-        raise _SkipStep
-
-    def discard(self, run: Any) -> None:
-        """After `_SkipStep`: drop the step's gradients; no optimizer or schedule step."""
-        run.optimizer.zero_grad(set_to_none=True)
-        run._reset_window()
         self.skipped += 1
+        return True
+
+
+def resume_batch_line(saved: dict, run: Any, strategy: Any) -> str | None:
+    """What a resume did to the batch, one line (None when nothing moved)."""
+    plan, W = run.plan, run.world.world_size
+    g0, w0 = saved["global_batch_size"], saved["world_size"]
+    if (g0, saved["micro_batch_size"], saved["k_steps"], w0) == (
+            plan.global_batch_size, plan.micro_batch_size, plan.k_steps, W):
+        return None
+    how = (f"global batch {g0} -> {plan.global_batch_size}" if g0 != plan.global_batch_size
+           else f"global batch {g0} kept")
+    why = (f"{W} worker(s), was {w0}; batch.elastic={strategy.batch.elastic}" if w0 != W
+           else "the batch configuration changed")
+    line = f"{how} ({why}): micro batch {plan.micro_batch_size} x k_steps {plan.k_steps}"
+    if g0 != plan.global_batch_size:
+        line += (f", peak LR {plan.peak_lr:.6g} ({strategy.batch.scaling} scaling); the "
+                 f"schedule still counts steps of {run.unit_batch_size} samples")
+    return line
+

@@ -324,7 +324,8 @@ def preflight(config, strategy, world_size: int | None):
     task = get_task(config.task, **config.task_options)  # fills the data cache once, here
     model_name = task.check_model(config.model)
     if world_size is not None:
-        plan_run(config, strategy, task, world_size)
+        plan_run(config, strategy, task, world_size,
+                 saved=ckpt.get("engine", {}).get("batch") if ckpt is not None else None)
     model = task.build_model(model_name)
     if ckpt is not None:
         _check_checkpoint(config, path, ckpt, model)

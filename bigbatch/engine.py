@@ -80,6 +80,7 @@ of `total_steps` configured-batch steps (progress advances by
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -100,7 +101,10 @@ from bigbatch._engine_setup import (
 from bigbatch._grad_info import GradInfo, small_batch_sq_norm, sq_norm
 from bigbatch._micro_step import MicroStep
 from bigbatch.distributed import World, init_distributed, teardown
+from bigbatch.elastic import BatchState, configured_sizes, resume_plan
 from bigbatch.errors import ConfigError
+from bigbatch.scaling import scale_lr
+from bigbatch.schedules import warmup_start_lr
 
 __all__ = ["GradInfo", "MicroStep", "Run", "prepare", "schedule_steps"]
 
@@ -119,7 +123,8 @@ class Run:
                  schedule: Any, world: World, plan: Any, strategy: Any,
                  scaler: LossScaler | None, autocast_dtype: torch.dtype | None, avg: bool,
                  comm: CommState | None, owns_group: bool, track_stats: bool,
-                 measure_first: bool = False, total_steps: int | None = None) -> None:
+                 measure_first: bool = False, total_steps: int | None = None,
+                 unit_batch_size: int | None = None) -> None:
         self.module = module
         """The user's model (unwrapped): save and load its state_dict."""
         self.model = model
@@ -149,6 +154,9 @@ class Run:
         """Schedule progress per step (AdaScale sets its gain here; 1 = plain steps)."""
         self.total_steps = int(total_steps if total_steps is not None else schedule.total_steps)
         """Training length in schedule units: `done` once `progress` reaches it."""
+        self.unit_batch_size = int(unit_batch_size or plan.global_batch_size)
+        """Samples of one schedule unit: the first run's global batch (AdaScale: the base
+        batch). A step of another global batch advances `progress` by global / unit."""
         self.lr_scale = 1.0
         """Extra LR multiplier on top of the schedule (adaptive methods)."""
         self.grad_hooks: list[Callable[[GradInfo], None]] = []
@@ -169,6 +177,7 @@ class Run:
         self.track_grad_norm = track_stats
         """Record the global grad norm at every step for `stats` (one foreach norm)."""
         self.last_lr = schedule.lr(0)
+        self._base_schedule = schedule
         self._ddp = model if model is not module else None
         self._comm = comm
         self._owns_group = owns_group
@@ -219,6 +228,41 @@ class Run:
     def _set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+
+    def set_batch(self, micro_batch_size: int, k_steps: int) -> None:
+        """Use ``global = micro x k_steps x world_size`` from the next optimizer step on.
+
+        The peak LR follows `batch.scaling` for the new global batch, and progress
+        advances by ``global / unit_batch_size`` per step, so the run's length stays
+        in samples. Call between optimizer steps; the loader must follow `run.plan`.
+        """
+        if self.micro:
+            raise RuntimeError("run.set_batch() inside a merge window; call it after the "
+                               "optimizer step (ms.stepped)")
+        b = self.strategy.batch
+        g = int(micro_batch_size) * int(k_steps) * self.world.world_size
+        scale = g / b.base_batch_size
+        peak = scale_lr(b.base_lr, scale, b.scaling)
+        self.plan = dataclasses.replace(
+            self.plan, global_batch_size=g, micro_batch_size=int(micro_batch_size),
+            k_steps=int(k_steps), world_size=self.world.world_size, scale=scale, peak_lr=peak)
+        self.k_steps = int(k_steps)
+        self.schedule = dataclasses.replace(self._base_schedule, peak_lr=peak,
+                                            warmup_start_lr=warmup_start_lr(b.base_lr, peak))
+        self.progress_rate = g / self.unit_batch_size  # AdaScale replaces it by its gain
+        if self.adaptive is not None:
+            self.adaptive.on_batch_change()
+
+    def skip_step(self) -> None:
+        """Drop the merge window's gradients: no optimizer step, the schedule stays.
+
+        For a step that must not count (a non-finite loss): call it instead of
+        `ms.backward()` inside the micro-step's block (`ms.skip()`) or between
+        micro-steps. With several workers every worker must skip the same step.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        self._reset_window()
+        self._step_time = 0.0
 
     def _reset_window(self) -> None:
         self.micro = 0
@@ -330,6 +374,10 @@ class Run:
             "progress_rate": self.progress_rate,
             "lr_scale": self.lr_scale,
             "k_steps": self.k_steps,
+            "batch": BatchState(
+                self.plan.global_batch_size, self.plan.micro_batch_size, self.k_steps,
+                self.world.world_size, self.unit_batch_size, configured_sizes(self.strategy),
+            ).to_dict(),
             "extra": {name: obj.state_dict() for name, obj in self.state_objects.items()},
         }
         if self.micro:
@@ -343,15 +391,24 @@ class Run:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict()` returned (the model's weights are loaded separately).
 
-        Registered helpers load first: an adaptive batch size restores its plan and k_steps.
+        On another world size (or a changed batch configuration) the batch follows
+        `bigbatch.elastic.resume_plan` and the schedule keeps the checkpoint's unit;
+        registered helpers (noise scale, AdaScale, goodput) load first and carry over.
         """
         for name, sub in state.get("extra", {}).items():
             if name in self.state_objects:
                 self.state_objects[name].load_state_dict(sub)
-        if int(state["k_steps"]) != self.k_steps and state["micro"]:
+        plan, saved = self.plan, state.get("batch")
+        if saved is not None:
+            saved = BatchState.from_dict(saved)
+            self.unit_batch_size = saved.unit_batch_size
+            plan = resume_plan(self.strategy, self.world.world_size, saved)
+        if state["micro"] and (int(state["k_steps"]), saved and saved.world_size) != (
+                plan.k_steps, saved and plan.world_size):
             raise ConfigError(
-                f"checkpoint taken mid-merge-window with k_steps={state['k_steps']}, "
-                f"this run has k_steps={self.k_steps}"
+                f"checkpoint taken mid-merge-window with k_steps={state['k_steps']}; it resumes "
+                f"only with the same k_steps and world size (this run: k_steps={plan.k_steps}, "
+                f"world_size={plan.world_size})"
             )
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and state.get("scaler") is not None:
@@ -362,6 +419,11 @@ class Run:
         self.progress_rate = float(state["progress_rate"])
         self.lr_scale = float(state["lr_scale"])
         self._reset_window()
+        if (plan.global_batch_size, plan.micro_batch_size, plan.k_steps) != (
+                self.plan.global_batch_size, self.plan.micro_batch_size, self.k_steps):
+            self.set_batch(plan.micro_batch_size, plan.k_steps)
+        elif saved is not None and (self.adaptive is None or self.adaptive.adascale is None):
+            self.progress_rate = plan.global_batch_size / self.unit_batch_size
         window = state.get("window")
         if window is not None:
             self.micro = int(state["micro"])
@@ -381,7 +443,7 @@ class Run:
 
 def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: int | None = None,
             world: World | None = None, *, track_stats: bool = False,
-            local_grad_norm: bool | None = None) -> Run:
+            local_grad_norm: bool | None = None, plan: Any = None) -> Run:
     """Apply `strategy` to `model` and return the `Run` that drives the training loop.
 
     `total_steps` and `steps_per_epoch` count optimizer steps (one per global
@@ -392,12 +454,14 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
     worker's pre-all-reduce gradient norm for grad hooks (scalars only; default:
     on when `[adaptive]` needs the noise scale). With `[adaptive]` active the run
     gets `run.adaptive` (see the module docstring for training length and the
-    adaptive-batch loader contract).
+    adaptive-batch loader contract). `plan` replaces `strategy.resolve(world_size)`, e.g.
+    `bigbatch.elastic.resume_plan(...)` for a checkpoint from another world size.
     """
     from bigbatch.schedules import Schedule
 
     world = world if world is not None else World.from_env()
-    plan = strategy.resolve(world.world_size)
+    if plan is None:
+        plan = strategy.resolve(world.world_size)
     schedule = Schedule.from_strategy(strategy, plan, total_steps, steps_per_epoch)
     dp = strategy.data_parallel
     check_reduce(getattr(dp, "reduce", "mean"))
@@ -431,7 +495,8 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
               plan=plan, strategy=strategy, scaler=scaler, autocast_dtype=autocast_dtype,
               avg=strategy.gradient_merge.avg, comm=comm, owns_group=owns_group,
               track_stats=track_stats, total_steps=total_steps,
-              measure_first=bool(local_grad_norm) and not world.is_distributed)
+              measure_first=bool(local_grad_norm) and not world.is_distributed,
+              unit_batch_size=_adaptive.unit_of(strategy, plan))
     if needs_gns:
         _adaptive.attach(run)
     return run

@@ -36,6 +36,7 @@ from bigbatch.checkpoint import (
     set_rng_state,
 )
 from bigbatch.distributed import World, all_reduce_sum, init_distributed, teardown
+from bigbatch.elastic import resume_plan
 from bigbatch.engine import prepare, schedule_steps
 from bigbatch.errors import ConfigError
 from bigbatch.strategy import Strategy
@@ -64,7 +65,8 @@ class TrainConfig:
     """Training length in epochs; None with `steps` None: the task recipe's epochs."""
     steps: int | None = None
     """Training length in optimizer steps of the configured global batch, instead of epochs
-    (with AdaScale: steps of `batch.base_batch_size`, the schedule's unit)."""
+    (with AdaScale: steps of `batch.base_batch_size`). These are the schedule's units: a
+    resume whose global batch moved keeps counting steps of the first run's batch."""
     seed: int = 0
     """Seeds model init, the data order and every worker's RNGs."""
     out: str = "runs/train"
@@ -140,20 +142,25 @@ def prepare_out(config: TrainConfig, world: World) -> Path | None:
 
 
 def plan_run(config: TrainConfig, strategy: Strategy, task: Task, world_size: int,
-             rank: int = 0) -> tuple[Any, GlobalBatchSampler, int, int]:
+             rank: int = 0, saved: dict | None = None) -> tuple[Any, GlobalBatchSampler, int, int]:
     """(BatchPlan, this worker's sampler, total_steps, steps_per_epoch) in the schedule's units.
 
+    `saved`: a checkpoint's batch state (`Run.state_dict()["batch"]`): the plan
+    follows `bigbatch.elastic.resume_plan` and the units stay the checkpoint's.
     Validates the schedule too, so a launcher can report every config mistake
     before starting workers.
     """
     from bigbatch.schedules import Schedule
 
-    plan = strategy.resolve(world_size)
+    if saved is not None:
+        plan, unit = resume_plan(strategy, world_size, saved), saved["unit_batch_size"]
+    else:
+        plan, unit = strategy.resolve(world_size), None
     n = len(task.train_set)
     sampler = GlobalBatchSampler(n, plan.global_batch_size, plan.micro_batch_size, world_size,
                                  rank, config.seed)
     epochs = config.epochs if config.epochs is not None else task.recipe(config.model).epochs
-    total_steps, spe = schedule_steps(strategy, world_size, n, epochs)
+    total_steps, spe = schedule_steps(strategy, world_size, n, epochs, unit)
     if config.steps is not None:
         total_steps = config.steps
     Schedule.from_strategy(strategy, plan, total_steps, spe)
@@ -191,16 +198,17 @@ class _Trainer:
         resume_from = prepare_out(config, world)
         self.task = task = load_task(config, world)
         self.model_name = task.check_model(config.model)
-        _, self.sampler, self.total_steps, spe = plan_run(
-            config, strategy, task, world.world_size, world.rank)
+        ckpt = load_checkpoint(resume_from) if resume_from is not None else None
+        saved = ckpt["engine"].get("batch") if ckpt is not None else None
+        plan, self.sampler, self.total_steps, spe = plan_run(
+            config, strategy, task, world.world_size, world.rank, saved)
 
         U.seed_everything(config.seed)
         model = task.build_model(self.model_name)
-        ckpt = load_checkpoint(resume_from) if resume_from is not None else None
         if ckpt is not None:
             model.load_state_dict(ckpt["model"])
         self.run = run = prepare(model, strategy, total_steps=self.total_steps,
-                                 steps_per_epoch=spe, world=world, track_stats=True)
+                                 steps_per_epoch=spe, world=world, track_stats=True, plan=plan)
         if run.adaptive is not None and hasattr(run.adaptive, "limit_batch_size"):
             run.adaptive.limit_batch_size(len(task.train_set))
         self.samples, self.elapsed_before = 0, 0.0
@@ -227,6 +235,9 @@ class _Trainer:
         if ckpt is not None:
             self.bar.print(f"resuming {self.out} from step {run.step} (epoch "
                            f"{self.sampler.epoch}, sample {self.sampler.position})")
+            moved = U.resume_batch_line(saved, run, strategy) if saved is not None else None
+            if moved:
+                self.bar.print(moved)
         else:
             self.bar.print(strategy.overview(world.world_size, steps_per_epoch=spe,
                                              total_steps=self.total_steps))
@@ -272,15 +283,15 @@ class _Trainer:
                 for idx in micro_batches:
                     batch = U.fetch(self.task.train_set, idx, device)
                     t0 = time.perf_counter()
-                    try:
-                        with run.micro_step() as ms:  # forward, backward, (k-th) optimizer step
-                            loss_sum, count = self.task.loss(run.model(batch[0]), batch)
-                            if self.guard is not None:  # may skip the step, or stop
-                                self.guard.check(ms, loss_sum, run.step + 1)
+                    with run.micro_step() as ms:  # forward, backward, (k-th) optimizer step
+                        loss_sum, count = self.task.loss(run.model(batch[0]), batch)
+                        # The guard may stop the run, or have every worker skip this step.
+                        skipped = (self.guard is not None
+                                   and self.guard.should_skip(ms, loss_sum, run.step + 1))
+                        if skipped:
+                            ms.skip()
+                        else:
                             ms.backward(loss_sum, count=count)
-                    except U._SkipStep:
-                        self.guard.discard(run)
-                        skipped = True
                     self.timer["compute"] += time.perf_counter() - t0
                     step_loss[0] += loss_sum.detach().double()
                     step_loss[1] += count
