@@ -10,9 +10,12 @@ resumed run uses:
 - Same world size: the checkpoint's batch exactly (also one an adaptive batch
   size had moved to).
 - ``batch.elastic = "keep"`` (default): the checkpoint's global batch, split
-  over the new workers with the largest micro batch that is not above the
-  configured one (``batch.micro_batch_size``; with only ``gradient_merge.k_steps``
-  set, the one that keeps k_steps) and as many merge steps as that needs.
+  over the new workers with the largest micro batch that is not above the one
+  known to fit (``batch.micro_batch_size``, else the checkpoint's) and, with
+  ``gradient_merge.k_steps`` set, not above share / k_steps; merge steps make up
+  the rest. Fewer workers thus merge more steps instead of growing the micro
+  batch (which could run out of memory), and the noise scale keeps its
+  unbiased source on one worker (first micro-step vs the merged gradient).
 - ``batch.elastic = "scale"``: every worker keeps its micro batch and k_steps,
   so the global batch moves in proportion to the world size and the peak LR
   follows `batch.scaling` (linear: the Horovod convention ``lr x world_size``).
@@ -69,9 +72,8 @@ def split_batch(global_batch_size: int, world_size: int, max_micro: int | None =
                 k_steps: int | None = None) -> tuple[int, int]:
     """`(micro, k_steps)` with ``micro x k_steps x world_size == global_batch_size``.
 
-    The largest micro batch not above `max_micro` (no limit: None) that divides a
-    worker's share; with `k_steps` and no `max_micro`, the share / k_steps when that
-    divides, else the largest micro batch not above it.
+    The largest micro batch that divides a worker's share and is not above
+    `max_micro` nor, with `k_steps`, share / k_steps (so k_steps is kept when it divides).
     """
     share, rem = divmod(global_batch_size, world_size)
     if rem:
@@ -79,11 +81,7 @@ def split_batch(global_batch_size: int, world_size: int, max_micro: int | None =
             f"the global batch {global_batch_size} does not split over {world_size} workers; "
             f"resume on a world size that divides it, or set batch.elastic = \"scale\""
         )
-    limit = share
-    if max_micro is not None:
-        limit = min(share, max_micro)
-    elif k_steps is not None:
-        limit = max(1, share // k_steps)
+    limit = min(share, max_micro or share, max(1, share // (k_steps or 1)))
     micro = next(m for m in range(limit, 0, -1) if share % m == 0)
     return micro, share // micro
 
@@ -104,7 +102,7 @@ def resume_plan(strategy: Any, world_size: int, saved: BatchState | dict[str, An
         g = micro * k * world_size
     else:
         g = saved.global_batch_size
-        micro, k = split_batch(g, world_size, sizes[1], sizes[2])
+        micro, k = split_batch(g, world_size, sizes[1] or saved.micro_batch_size, sizes[2])
     b = strategy.batch
     scale = g / b.base_batch_size
     return BatchPlan(g, micro, k, world_size, scale, scale_lr(b.base_lr, scale, b.scaling))

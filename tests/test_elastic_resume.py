@@ -56,3 +56,36 @@ def test_two_workers_checkpoint_one_worker_resumes_at_the_same_global_batch(tmp_
     assert all(x["global_batch_size"] == 64 for x in lines if x["kind"] == "train")
     noise = [x for x in lines if x["kind"] == "train" and x["step"] > 10]
     assert any(k.startswith("gns") or "noise" in k for k in noise[-1]), noise[-1].keys()
+
+
+PER_WORKER = """
+[batch]
+micro_batch_size = 32
+base_batch_size = 32
+base_lr = 0.05
+scaling = "linear"
+warmup_steps = 0
+decay = "none"
+elastic = "scale"
+
+[lars]
+lars_coeff = 0.01
+"""
+
+
+def test_scale_moves_the_global_batch_with_the_workers_and_keeps_the_length_in_samples(
+        tmp_path):
+    get_task("mnist1d", **SMALL)
+    out = tmp_path / "run"
+    first = train(_config(out, steps=8), Strategy.from_toml(PER_WORKER))
+    assert (first["global_batch_size"], first["peak_lr"]) == (32, 0.05)
+    # 16 steps of the first run's 32 samples: 8 done, the other 256 samples in steps of 64.
+    got = run_workers(train, 2, (_config(out, steps=16, resume=True),
+                                 Strategy.from_toml(PER_WORKER)), timeout=120, init_group=True)
+    s = got[0]
+    assert (s["world_size"], s["global_batch_size"], s["micro_batch_size"]) == (2, 64, 32)
+    assert s["peak_lr"] == 0.1  # linear: twice the batch, twice the LR
+    assert s["steps"] == 8 + 4 and s["samples"] == 16 * 32
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    lrs = {x["step"]: (x["lr"], x["global_batch_size"]) for x in lines if x["kind"] == "train"}
+    assert lrs[8] == (0.05, 32) and lrs[9] == (0.1, 64) and max(lrs) == 12
