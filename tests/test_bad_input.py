@@ -123,6 +123,9 @@ CASES = [
      "is from task='mnist1d'"),
     ("resume_other_data", ["--resume", "--task-opt", "num_samples=1200"], "prev",
      "is from task_options="),
+    ("resume_world_size_does_not_split", ["--resume", "--nproc", "3"], "prev",
+     "the global batch 64 does not split over 3 workers"),
+    ("bad_elastic_mode", ["--resume", S, "batch.elastic=grow"], "prev", "batch.elastic"),
     ("resume_batch_too_big", ["--resume", S, "batch.global_batch_size=100000"], "prev",
      "larger than the training set"),
 ]
