@@ -110,6 +110,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="optimizer steps between checkpoints (default: once per epoch)")
     t.add_argument("--log-every", type=_positive_int, metavar="N",
                    help="optimizer steps between metrics lines (default: ~10 per epoch)")
+    t.add_argument("--eval-every", type=_positive_int, metavar="N",
+                   help="optimizer steps between test evaluations (default: once per epoch)")
+    t.add_argument("--keep-checkpoints", type=_positive_int, metavar="K",
+                   help="how many of the newest checkpoints to keep (default 2)")
     t.add_argument("--timeout", type=_positive_float, metavar="SECONDS",
                    help="seconds a worker waits for its peers in a collective or the "
                    "rendezvous (= --set data_parallel.timeout_s=SECONDS; default 300)")
@@ -198,7 +202,8 @@ def resolve(args: argparse.Namespace):
     given = {
         "task": args.task, "model": args.model, "epochs": args.epochs, "steps": args.steps,
         "seed": args.seed, "checkpoint_every": args.checkpoint_every,
-        "log_every": args.log_every, "nan_policy": args.nan_policy,
+        "log_every": args.log_every, "eval_every": args.eval_every,
+        "keep_checkpoints": args.keep_checkpoints, "nan_policy": args.nan_policy,
     }
     fields = {k: v for k, v in saved.items() if k in TrainConfig.__dataclass_fields__}
     if args.epochs is not None or args.steps is not None:  # a new length replaces the old one

@@ -79,6 +79,8 @@ class TrainConfig:
     """How many of the newest checkpoints to keep."""
     log_every: int | None = None
     """Optimizer steps between metrics lines; None: about ten per epoch."""
+    eval_every: int | None = None
+    """Optimizer steps between test evaluations; None: at each epoch's end (and the run's)."""
     progress: bool = True
     """Show the progress bar (rank 0)."""
     tensorboard: bool | None = None
@@ -96,6 +98,7 @@ class TrainConfig:
             raise ConfigError("give --epochs or --steps, not both")
         checks = [("epochs", self.epochs, 0), ("steps", self.steps, 1),
                   ("checkpoint_every", self.checkpoint_every, 1), ("log_every", self.log_every, 1),
+                  ("eval_every", self.eval_every, 1),
                   ("keep_checkpoints", self.keep_checkpoints, 1),
                   ("eval_batch_size", self.eval_batch_size, 1)]
         for name, value, low in checks:
@@ -309,6 +312,9 @@ class _Trainer:
                 self._follow_plan()
                 if run.done:
                     break
+                every = self.config.eval_every
+                if every and run.step % every == 0 and not sampler.epoch_done:
+                    metrics = self.evaluate()
                 if run.step % self.ckpt_every == 0 and not sampler.epoch_done:
                     self.checkpoint()
             if sampler.epoch_done:

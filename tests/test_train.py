@@ -286,3 +286,16 @@ def test_other_commands_are_dispatched(capsys):
     assert main(["gns", "--nproc", "0"]) == 2
     assert "bigbatch gns: error: --nproc=0" in capsys.readouterr().err
     assert main([]) == 2 and "train" in capsys.readouterr().err
+
+
+def test_eval_every_and_keep_checkpoints_flags(tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "--nproc", "1", "--out", str(out), "--task-opt", "num_samples=1000",
+                 "--steps", "8", "--model", "mlp", "--set", "batch.global_batch_size=64",
+                 "--set", "batch.warmup_epochs=0",
+                 "--eval-every", "3", "--checkpoint-every", "1", "--keep-checkpoints", "3",
+                 "--no-progress", "--no-tensorboard"]) == 0
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x["kind"] == "eval"] == [3, 6, 8]
+    assert sorted(p.name for p in (out / "checkpoints").glob("*.pt")) == [
+        "step-000000006.pt", "step-000000007.pt", "step-000000008.pt"]
