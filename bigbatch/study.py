@@ -5,7 +5,8 @@ the same number of epochs; each strategy scales one small-batch recipe (the
 task's `Recipe`) by its own rule (`RULES`). Each cell writes the usual `train`
 outputs under `OUT/cells/<strategy>-b<batch>/`; the study then reads their
 `metrics.jsonl` / `summary.json` and writes `OUT/report.md`, `OUT/results.json`
-and PNG figures (`bigbatch._report`).
+and PNG figures (`bigbatch._report`). The strategies and their rules are in
+`bigbatch._study_rules`.
 
 A finished cell (its `summary.json` present and its `study_cell.json` equal to
 what the cell would be now) is kept on restart; an interrupted one resumes from
@@ -32,21 +33,16 @@ from bigbatch._study_cli import (
     add_study_arguments,
     config_from_args,
 )
+
+# The rules' names stay importable from here, the module users know.
+from bigbatch._study_rules import LAMB_DEFAULT as LAMB_DEFAULT
+from bigbatch._study_rules import LARS_DEFAULT as LARS_DEFAULT
+from bigbatch._study_rules import LAYERWISE_EXCLUDE as LAYERWISE_EXCLUDE
+from bigbatch._study_rules import RULES as RULES
+from bigbatch._study_rules import STRATEGIES, _warmup_epochs, cell_strategy
 from bigbatch.errors import ConfigError
 
-STRATEGIES = ("sgd", "lars", "lamb", "adascale")
-RULES = {
-    "sgd": "the recipe's optimizer, linear LR scaling + gradual warmup (Goyal et al. 2017)",
-    "lars": "LARS on momentum SGD, linear LR scaling + warmup (You et al. 2017)",
-    "lamb": "LAMB on AdamW, square-root LR scaling + warmup (You et al. 2020)",
-    "adascale": "the recipe's optimizer, AdaScale LR gain, no scaling rule (Johnson et al. 2020)",
-}
 CELL_FILE, PENDING_FILE, CELL_STRATEGY = "study_cell.json", "study_pending.json", "study_strategy.toml"
-LAYERWISE_EXCLUDE = ["bn", "norm", "bias"]
-#: LR of LARS / LAMB when the recipe's optimizer is the other family (their per-step
-#: relative update is about lr x lars_coeff x 1/(1-momentum), resp. lr).
-LARS_DEFAULT = {"lars_coeff": 0.01, "base_lr": 0.1}
-LAMB_DEFAULT = {"base_lr": 0.01, "weight_decay": 0.01}
 
 QUICK = {  # per task: a grid that finishes in a few minutes on 2 CPU cores
     "mnist1d": {"model": "cnn", "task_options": {"num_samples": 20000}, "epochs": 12,
@@ -151,52 +147,6 @@ def resolved(config: StudyConfig) -> tuple[StudyConfig, Any]:
             raise ConfigError(f"--batches: {b} is larger than the training set "
                               f"({n_train} samples); allowed: <= {n_train}")
     return c, (task, recipe)
-
-
-def _warmup_epochs(c: StudyConfig, recipe: Any) -> float:
-    if c.warmup_epochs is not None:
-        return c.warmup_epochs
-    return max(recipe.warmup_epochs, (c.epochs or recipe.epochs) / 8)
-
-
-def cell_strategy(c: StudyConfig, recipe: Any, name: str, batch: int) -> Any:
-    """The Strategy of cell (`name`, `batch`): the recipe scaled by the strategy's rule."""
-    from bigbatch.strategy import Strategy
-
-    micro = min(c.micro_batch_size, max(1, batch // c.nproc))
-    if batch % (micro * c.nproc):
-        raise ConfigError(f"--batches: {batch} is not a multiple of micro batch {micro} x "
-                          f"nproc {c.nproc}; use multiples of {micro * c.nproc}")
-    momentum_recipe = recipe.optimizer == "momentum"
-    b = {"global_batch_size": batch, "micro_batch_size": micro,
-         "base_batch_size": recipe.base_batch_size, "base_lr": recipe.base_lr,
-         "scaling": "linear", "warmup_epochs": _warmup_epochs(c, recipe), "decay": recipe.decay}
-    opt: dict[str, Any] = {"type": recipe.optimizer, "weight_decay": recipe.weight_decay}
-    if momentum_recipe:
-        opt["momentum"] = recipe.momentum
-    else:
-        opt.update(beta1=recipe.momentum, epsilon=1e-6)
-    d: dict[str, Any] = {"batch": b, "optimizer": opt, "gradient_merge": {"avg": True},
-                         "adaptive": {"noise_scale": True}}
-    if name == "lars":
-        if not momentum_recipe:
-            b["base_lr"] = LARS_DEFAULT["base_lr"]
-        d["optimizer"] = {"type": "momentum", "momentum": 0.9, "weight_decay": 0.0}
-        d["lars"] = {"lars_coeff": LARS_DEFAULT["lars_coeff"],
-                     "lars_weight_decay": recipe.weight_decay if momentum_recipe else 5e-4,
-                     "exclude_from_weight_decay": LAYERWISE_EXCLUDE}
-    elif name == "lamb":
-        b["scaling"] = "sqrt"
-        if momentum_recipe:
-            b["base_lr"] = LAMB_DEFAULT["base_lr"]
-        d["optimizer"] = {"type": "adamw", "beta1": 0.9, "epsilon": 1e-6, "weight_decay": 0.0}
-        d["lamb"] = {"lamb_weight_decay": LAMB_DEFAULT["weight_decay"] if momentum_recipe
-                     else recipe.weight_decay, "exclude_from_weight_decay": LAYERWISE_EXCLUDE}
-    elif name == "adascale":
-        b.update(scaling="none", warmup_epochs=recipe.warmup_epochs)
-        d["adaptive"]["lr"] = "adascale"
-    s = Strategy.from_dict(d)
-    return s.with_overrides([*c.overrides.get("all", []), *c.overrides.get(name, [])])
 
 
 def _eval_field() -> str | None:

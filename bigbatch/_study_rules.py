@@ -1,0 +1,73 @@
+"""The study's strategies: how each one scales the task's small-batch recipe to a batch.
+
+`cell_strategy` turns (recipe, strategy name, global batch) into the Strategy of one cell;
+`RULES` says the same in one line each for the report. Re-exported by `bigbatch.study`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from bigbatch.errors import ConfigError
+
+if TYPE_CHECKING:
+    from bigbatch.study import StudyConfig
+
+STRATEGIES = ("sgd", "lars", "lamb", "adascale")
+RULES = {
+    "sgd": "the recipe's optimizer, linear LR scaling + gradual warmup (Goyal et al. 2017)",
+    "lars": "LARS on momentum SGD, linear LR scaling + warmup (You et al. 2017)",
+    "lamb": "LAMB on AdamW, square-root LR scaling + warmup (You et al. 2020)",
+    "adascale": "the recipe's optimizer, AdaScale LR gain, no scaling rule (Johnson et al. 2020)",
+}
+LAYERWISE_EXCLUDE = ["bn", "norm", "bias"]
+#: LR of LARS / LAMB when the recipe's optimizer is the other family (their per-step
+#: relative update is about lr x lars_coeff x 1/(1-momentum), resp. lr).
+LARS_DEFAULT = {"lars_coeff": 0.01, "base_lr": 0.1}
+LAMB_DEFAULT = {"base_lr": 0.01, "weight_decay": 0.01}
+
+
+def _warmup_epochs(c: StudyConfig, recipe: Any) -> float:
+    if c.warmup_epochs is not None:
+        return c.warmup_epochs
+    return max(recipe.warmup_epochs, (c.epochs or recipe.epochs) / 8)
+
+
+def cell_strategy(c: StudyConfig, recipe: Any, name: str, batch: int) -> Any:
+    """The Strategy of cell (`name`, `batch`): the recipe scaled by the strategy's rule."""
+    from bigbatch.strategy import Strategy
+
+    micro = min(c.micro_batch_size, max(1, batch // c.nproc))
+    if batch % (micro * c.nproc):
+        raise ConfigError(f"--batches: {batch} is not a multiple of micro batch {micro} x "
+                          f"nproc {c.nproc}; use multiples of {micro * c.nproc}")
+    momentum_recipe = recipe.optimizer == "momentum"
+    b = {"global_batch_size": batch, "micro_batch_size": micro,
+         "base_batch_size": recipe.base_batch_size, "base_lr": recipe.base_lr,
+         "scaling": "linear", "warmup_epochs": _warmup_epochs(c, recipe), "decay": recipe.decay}
+    opt: dict[str, Any] = {"type": recipe.optimizer, "weight_decay": recipe.weight_decay}
+    if momentum_recipe:
+        opt["momentum"] = recipe.momentum
+    else:
+        opt.update(beta1=recipe.momentum, epsilon=1e-6)
+    d: dict[str, Any] = {"batch": b, "optimizer": opt, "gradient_merge": {"avg": True},
+                         "adaptive": {"noise_scale": True}}
+    if name == "lars":
+        if not momentum_recipe:
+            b["base_lr"] = LARS_DEFAULT["base_lr"]
+        d["optimizer"] = {"type": "momentum", "momentum": 0.9, "weight_decay": 0.0}
+        d["lars"] = {"lars_coeff": LARS_DEFAULT["lars_coeff"],
+                     "lars_weight_decay": recipe.weight_decay if momentum_recipe else 5e-4,
+                     "exclude_from_weight_decay": LAYERWISE_EXCLUDE}
+    elif name == "lamb":
+        b["scaling"] = "sqrt"
+        if momentum_recipe:
+            b["base_lr"] = LAMB_DEFAULT["base_lr"]
+        d["optimizer"] = {"type": "adamw", "beta1": 0.9, "epsilon": 1e-6, "weight_decay": 0.0}
+        d["lamb"] = {"lamb_weight_decay": LAMB_DEFAULT["weight_decay"] if momentum_recipe
+                     else recipe.weight_decay, "exclude_from_weight_decay": LAYERWISE_EXCLUDE}
+    elif name == "adascale":
+        b.update(scaling="none", warmup_epochs=recipe.warmup_epochs)
+        d["adaptive"]["lr"] = "adascale"
+    s = Strategy.from_dict(d)
+    return s.with_overrides([*c.overrides.get("all", []), *c.overrides.get(name, [])])
