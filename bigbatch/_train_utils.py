@@ -1,16 +1,21 @@
-"""Small helpers of `bigbatch.train`: seeding, collectives on Python objects, batches."""
+"""Small helpers of `bigbatch.train`: seeding, collectives on Python objects, the output
+directory, batches, the non-finite loss guard."""
 
 from __future__ import annotations
 
 import random
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from bigbatch.checkpoint import CHECKPOINT_DIR, latest_checkpoint
 from bigbatch.distributed import World
+from bigbatch.errors import ConfigError
 
 
 def seed_everything(seed: int) -> None:
@@ -40,6 +45,30 @@ def gather(obj: Any, world: World) -> list[Any]:
     out: list[Any] = [None] * world.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+def prepare_out(config: Any, world: World, outputs: tuple[str, ...]) -> Path | None:
+    """Make the output directory ready; returns the checkpoint to resume from (or None).
+
+    A fresh run deletes the previous run's `outputs` there and nothing else.
+    """
+    out = Path(config.out)
+    ckpt = None
+    if world.rank == 0:
+        if config.resume:
+            ckpt = latest_checkpoint(out)
+            if ckpt is None:
+                raise ConfigError(f"--resume: no checkpoint in {out / CHECKPOINT_DIR}")
+        else:
+            for name in outputs:
+                p = out / name
+                if p.is_dir():
+                    shutil.rmtree(p)
+                elif p.exists():
+                    p.unlink()
+            out.mkdir(parents=True, exist_ok=True)
+    ckpt = broadcast(str(ckpt) if ckpt else None, world)
+    return Path(ckpt) if ckpt else None
 
 
 def fetch(dataset, idx: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -89,7 +89,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bigbatch import _adaptive
+from bigbatch import _adaptive, _run_state
 from bigbatch._amp import LossScaler, amp_dtype
 from bigbatch._engine_setup import (
     CommState,
@@ -101,7 +101,6 @@ from bigbatch._engine_setup import (
 from bigbatch._grad_info import GradInfo, small_batch_sq_norm, sq_norm
 from bigbatch._micro_step import MicroStep
 from bigbatch.distributed import World, init_distributed, teardown
-from bigbatch.elastic import BatchState, configured_sizes, resume_plan
 from bigbatch.errors import ConfigError
 from bigbatch.scaling import scale_lr
 from bigbatch.schedules import warmup_start_lr
@@ -330,63 +329,21 @@ class Run:
             hook(info)
         return info
 
-    # ------------------------------------------------------------- reporting
+    # ------------------------------------------------------------- reporting, resume
 
     @property
     def stats(self) -> dict[str, float]:
-        """Numbers for logging, read on access (a device sync on GPU for norms)."""
-        out: dict[str, float] = {
-            "step": float(self.step),
-            "lr": float(self.last_lr),
-            "skipped_steps": float(self.skipped_steps),
-            "loss_scale": self.scaler.scale_value if self.scaler is not None else 1.0,
-        }
-        if self._grad_norm is not None:
-            out["grad_norm"] = float(self._grad_norm)
-        ratios_of = getattr(self.optimizer, "trust_ratios", None)
-        ratios = ratios_of() if callable(ratios_of) else None
-        if ratios is not None and ratios.numel():
-            r = ratios.detach().float()
-            out["trust_ratio_min"] = float(r.min())
-            out["trust_ratio_median"] = float(r.median())
-            out["trust_ratio_max"] = float(r.max())
-        for obj in self.state_objects.values():
-            stats_of = getattr(obj, "stats", None)
-            if callable(stats_of):
-                out.update(stats_of())
-        return out
-
-    # ------------------------------------------------------------- resume
+        """Numbers for logging, read on access (a device sync on GPU for norms): step, lr,
+        skipped steps, loss scale, grad norm, trust ratios and the helpers' `stats()`."""
+        return _run_state.stats(self)
 
     def state_dict(self) -> dict[str, Any]:
-        """Optimizer, loss scaler, counters, schedule position and registered helpers.
+        """Optimizer, loss scaler, counters, schedule position, batch and registered helpers.
 
         Taken mid-merge-window it also holds this worker's accumulated gradients
         (per rank under DDP); at a step boundary (`ms.stepped`) it holds none.
         """
-        state: dict[str, Any] = {
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "step": self.step,
-            "micro": self.micro,
-            "skipped_steps": self.skipped_steps,
-            "progress": self.progress,
-            "progress_rate": self.progress_rate,
-            "lr_scale": self.lr_scale,
-            "k_steps": self.k_steps,
-            "batch": BatchState(
-                self.plan.global_batch_size, self.plan.micro_batch_size, self.k_steps,
-                self.world.world_size, self.unit_batch_size, configured_sizes(self.strategy),
-            ).to_dict(),
-            "extra": {name: obj.state_dict() for name, obj in self.state_objects.items()},
-        }
-        if self.micro:
-            state["window"] = {
-                "mode": self._mode,
-                "count": self._count,
-                "grads": [None if p.grad is None else p.grad.detach().clone() for p in self._params],
-            }
-        return state
+        return _run_state.state_dict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict()` returned (the model's weights are loaded separately).
@@ -395,44 +352,7 @@ class Run:
         `bigbatch.elastic.resume_plan` and the schedule keeps the checkpoint's unit;
         registered helpers (noise scale, AdaScale, goodput) load first and carry over.
         """
-        for name, sub in state.get("extra", {}).items():
-            if name in self.state_objects:
-                self.state_objects[name].load_state_dict(sub)
-        plan, saved = self.plan, state.get("batch")
-        if saved is not None:
-            saved = BatchState.from_dict(saved)
-            self.unit_batch_size = saved.unit_batch_size
-            plan = resume_plan(self.strategy, self.world.world_size, saved)
-        if state["micro"] and (int(state["k_steps"]), saved and saved.world_size) != (
-                plan.k_steps, saved and plan.world_size):
-            raise ConfigError(
-                f"checkpoint taken mid-merge-window with k_steps={state['k_steps']}; it resumes "
-                f"only with the same k_steps and world size (this run: k_steps={plan.k_steps}, "
-                f"world_size={plan.world_size})"
-            )
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scaler is not None and state.get("scaler") is not None:
-            self.scaler.load_state_dict(state["scaler"])
-        self.step = int(state["step"])
-        self.skipped_steps = int(state["skipped_steps"])
-        self.progress = float(state["progress"])
-        self.progress_rate = float(state["progress_rate"])
-        self.lr_scale = float(state["lr_scale"])
-        self._reset_window()
-        if (plan.global_batch_size, plan.micro_batch_size, plan.k_steps) != (
-                self.plan.global_batch_size, self.plan.micro_batch_size, self.k_steps):
-            self.set_batch(plan.micro_batch_size, plan.k_steps)
-        elif saved is not None and (self.adaptive is None or self.adaptive.adascale is None):
-            self.progress_rate = plan.global_batch_size / self.unit_batch_size
-        window = state.get("window")
-        if window is not None:
-            self.micro = int(state["micro"])
-            self._mode = window["mode"]
-            self._count = float(window["count"])
-            for p, g in zip(self._params, window["grads"], strict=True):
-                p.grad = None if g is None else g.to(p.device).clone()
-        self.last_lr = self.lr_at(self.progress)
-        self._set_lr(self.last_lr)
+        _run_state.load_state_dict(self, state)
 
     def close(self) -> None:
         """Tear down the process group if `prepare()` created it."""

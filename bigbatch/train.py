@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,6 @@ from bigbatch import _train_utils as U
 from bigbatch._progress import METRICS_FILE, MetricsWriter, ProgressBar, closing_line, reference
 from bigbatch.checkpoint import (
     CHECKPOINT_DIR,
-    latest_checkpoint,
     load_checkpoint,
     rng_state,
     save_checkpoint,
@@ -123,27 +121,6 @@ def load_task(config: TrainConfig, world: World) -> Task:
     return task
 
 
-def prepare_out(config: TrainConfig, world: World) -> Path | None:
-    """Make the output directory ready; returns the checkpoint to resume from (or None)."""
-    out = Path(config.out)
-    ckpt = None
-    if world.rank == 0:
-        if config.resume:
-            ckpt = latest_checkpoint(out)
-            if ckpt is None:
-                raise ConfigError(f"--resume: no checkpoint in {out / CHECKPOINT_DIR}")
-        else:
-            for name in OUTPUTS:  # a fresh run replaces an old one's outputs, nothing else
-                p = out / name
-                if p.is_dir():
-                    shutil.rmtree(p)
-                elif p.exists():
-                    p.unlink()
-            out.mkdir(parents=True, exist_ok=True)
-    ckpt = U.broadcast(str(ckpt) if ckpt else None, world)
-    return Path(ckpt) if ckpt else None
-
-
 def plan_run(config: TrainConfig, strategy: Strategy, task: Task, world_size: int,
              rank: int = 0, saved: dict | None = None) -> tuple[Any, GlobalBatchSampler, int, int]:
     """(BatchPlan, this worker's sampler, total_steps, steps_per_epoch) in the schedule's units.
@@ -198,7 +175,7 @@ class _Trainer:
         self.config, self.strategy, self.world = config, strategy, world
         self.out = Path(config.out)
         self.main = world.is_main
-        resume_from = prepare_out(config, world)
+        resume_from = U.prepare_out(config, world, OUTPUTS)
         self.task = task = load_task(config, world)
         self.model_name = task.check_model(config.model)
         ckpt = load_checkpoint(resume_from) if resume_from is not None else None

@@ -1,0 +1,105 @@
+"""What a `Run` reports, saves and restores (the bodies of `Run.stats`, `state_dict` and
+`load_state_dict`, kept apart so `engine.py` holds the per-step logic)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from bigbatch.elastic import BatchState, configured_sizes, resume_plan
+from bigbatch.errors import ConfigError
+
+if TYPE_CHECKING:
+    from bigbatch.engine import Run
+
+
+def stats(run: Run) -> dict[str, float]:
+    """`Run.stats`."""
+    out: dict[str, float] = {
+        "step": float(run.step),
+        "lr": float(run.last_lr),
+        "skipped_steps": float(run.skipped_steps),
+        "loss_scale": run.scaler.scale_value if run.scaler is not None else 1.0,
+    }
+    if run._grad_norm is not None:
+        out["grad_norm"] = float(run._grad_norm)
+    ratios_of = getattr(run.optimizer, "trust_ratios", None)
+    ratios = ratios_of() if callable(ratios_of) else None
+    if ratios is not None and ratios.numel():
+        r = ratios.detach().float()
+        out["trust_ratio_min"] = float(r.min())
+        out["trust_ratio_median"] = float(r.median())
+        out["trust_ratio_max"] = float(r.max())
+    for obj in run.state_objects.values():
+        stats_of = getattr(obj, "stats", None)
+        if callable(stats_of):
+            out.update(stats_of())
+    return out
+
+
+def state_dict(run: Run) -> dict[str, Any]:
+    """`Run.state_dict()`."""
+    state: dict[str, Any] = {
+        "optimizer": run.optimizer.state_dict(),
+        "scaler": run.scaler.state_dict() if run.scaler is not None else None,
+        "step": run.step,
+        "micro": run.micro,
+        "skipped_steps": run.skipped_steps,
+        "progress": run.progress,
+        "progress_rate": run.progress_rate,
+        "lr_scale": run.lr_scale,
+        "k_steps": run.k_steps,
+        "batch": BatchState(
+            run.plan.global_batch_size, run.plan.micro_batch_size, run.k_steps,
+            run.world.world_size, run.unit_batch_size, configured_sizes(run.strategy),
+        ).to_dict(),
+        "extra": {name: obj.state_dict() for name, obj in run.state_objects.items()},
+    }
+    if run.micro:
+        state["window"] = {
+            "mode": run._mode,
+            "count": run._count,
+            "grads": [None if p.grad is None else p.grad.detach().clone() for p in run._params],
+        }
+    return state
+
+
+def load_state_dict(run: Run, state: dict[str, Any]) -> None:
+    """`Run.load_state_dict()`: helpers first, then the elastic batch plan, then counters."""
+    for name, sub in state.get("extra", {}).items():
+        if name in run.state_objects:
+            run.state_objects[name].load_state_dict(sub)
+    plan, saved = run.plan, state.get("batch")
+    if saved is not None:
+        saved = BatchState.from_dict(saved)
+        run.unit_batch_size = saved.unit_batch_size
+        plan = resume_plan(run.strategy, run.world.world_size, saved)
+    if state["micro"] and (int(state["k_steps"]), saved and saved.world_size) != (
+            plan.k_steps, saved and plan.world_size):
+        raise ConfigError(
+            f"checkpoint taken mid-merge-window with k_steps={state['k_steps']}; it resumes "
+            f"only with the same k_steps and world size (this run: k_steps={plan.k_steps}, "
+            f"world_size={plan.world_size})"
+        )
+    run.optimizer.load_state_dict(state["optimizer"])
+    if run.scaler is not None and state.get("scaler") is not None:
+        run.scaler.load_state_dict(state["scaler"])
+    run.step = int(state["step"])
+    run.skipped_steps = int(state["skipped_steps"])
+    run.progress = float(state["progress"])
+    run.progress_rate = float(state["progress_rate"])
+    run.lr_scale = float(state["lr_scale"])
+    run._reset_window()
+    if (plan.global_batch_size, plan.micro_batch_size, plan.k_steps) != (
+            run.plan.global_batch_size, run.plan.micro_batch_size, run.k_steps):
+        run.set_batch(plan.micro_batch_size, plan.k_steps)
+    elif saved is not None and (run.adaptive is None or run.adaptive.adascale is None):
+        run.progress_rate = plan.global_batch_size / run.unit_batch_size
+    window = state.get("window")
+    if window is not None:
+        run.micro = int(state["micro"])
+        run._mode = window["mode"]
+        run._count = float(window["count"])
+        for p, g in zip(run._params, window["grads"], strict=True):
+            p.grad = None if g is None else g.to(p.device).clone()
+    run.last_lr = run.lr_at(run.progress)
+    run._set_lr(run.last_lr)
