@@ -79,7 +79,7 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
       help="per-worker micro-batch; larger batches merge gradients (default 128)")
     a("--warmup-epochs", type=_float, help="warmup of the scaled strategies (default epochs/8)")
     a("--evals-per-epoch", type=_positive_int, metavar="N", help="test evaluations per epoch "
-      "(default 4; needs train's --eval-every)")
+      "(default 4)")
     a("--set", dest="overrides", metavar="[STRATEGY:]SECTION.KEY=VALUE", action="append",
       default=[], help="override a strategy key in every cell, or in one strategy's cells")
     a("--seed", type=int, help="seed of every cell (default 0)")

@@ -77,7 +77,7 @@ class StudyConfig:
     warmup_epochs: float | None = None
     """Warmup of the scaled strategies; None: max(recipe's, epochs / 8)."""
     evals_per_epoch: int = 4
-    """Test evaluations per epoch when `train` supports `eval_every` (else one per epoch)."""
+    """Test evaluations per epoch (steps-to-target are interpolated between them)."""
     overrides: dict[str, list[str]] = field(default_factory=dict)
     """Strategy name (or "all") -> `section.key=value` overrides of its cells."""
     seed: int = 0
@@ -149,28 +149,18 @@ def resolved(config: StudyConfig) -> tuple[StudyConfig, Any]:
     return c, (task, recipe)
 
 
-def _eval_field() -> str | None:
-    from bigbatch.train import TrainConfig
-
-    return next((f for f in ("eval_every", "eval_every_steps") if f in TrainConfig.__dataclass_fields__),
-                None)
-
-
 def build_cells(c: StudyConfig, task: Any, recipe: Any) -> list[Cell]:
     """Every cell, validated (batch arithmetic and schedule) before anything runs."""
     from bigbatch.train import TrainConfig, plan_run
 
     cells, out = [], Path(c.out) / "cells"
-    eval_key = _eval_field()
     for name in c.strategies:
         for batch in c.batches:
             s = cell_strategy(c, recipe, name, batch)
             tc = TrainConfig(task=c.task, model=c.model, task_options=c.task_options,
                              epochs=c.epochs, seed=c.seed)
             sampler = plan_run(tc, s, task, c.nproc)[1]
-            eval_every = None
-            if eval_key is not None:
-                eval_every = max(1, sampler.steps_per_epoch // c.evals_per_epoch)
+            eval_every = max(1, sampler.steps_per_epoch // c.evals_per_epoch)
             spec = {"task": c.task, "model": c.model, "task_options": c.task_options,
                     "epochs": c.epochs, "seed": c.seed, "nproc": c.nproc,
                     "eval_every": eval_every, "strategy": s.to_dict()}
@@ -221,11 +211,10 @@ def _run_in_process(cell: Cell, resume: bool, threads: int | None = None) -> Non
     from bigbatch.train import TrainConfig, train
 
     spec = cell.spec
-    extra = {_eval_field(): spec["eval_every"]} if spec["eval_every"] else {}
     config = TrainConfig(task=spec["task"], model=spec["model"], task_options=spec["task_options"],
                          epochs=spec["epochs"], seed=spec["seed"], out=str(cell.dir),
                          resume=resume, progress=False, tensorboard=False, keep_checkpoints=1,
-                         **extra)
+                         eval_every=spec["eval_every"])
     with _isolated(), open(cell.dir / "train.log", "a") as log, contextlib.redirect_stderr(log):
         if threads:
             import torch
@@ -249,8 +238,7 @@ def train_command(cell: Cell, resume: bool) -> list[str]:
            "--no-progress", "--no-tensorboard"]
     for key, value in spec["task_options"].items():
         cmd += ["--task-opt", f"{key}={_toml_literal(value)}"]
-    if spec["eval_every"]:
-        cmd += ["--eval-every", str(spec["eval_every"])]
+    cmd += ["--eval-every", str(spec["eval_every"])]
     return cmd + (["--resume"] if resume else [])
 
 
