@@ -1,0 +1,107 @@
+"""Where the `[adaptive]` controller's small-batch gradient norms come from.
+
+`install_local_norms(run, ...)` measures each worker's gradient norm before the
+all-reduce inside the engine's DDP comm hook (one scalar per worker) and, for
+AdamW / LAMB, preconditions gradients as ``g / (sqrt(v_hat) + eps)`` first
+(`preconditioned_grads`). Used by `bigbatch._adaptive`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from bigbatch.gns import sq_norm
+
+if TYPE_CHECKING:
+    from bigbatch.engine import Run
+
+
+def preconditioned_grads(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
+                         grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+    """``g / (sqrt(v_hat) + eps)`` per tensor, as `bigbatch.gns.adam_sq_norm` measures it.
+
+    New tensors in the order of `params` (None gradients skipped); parameters
+    without Adam state yet stay unpreconditioned. A fixed number of
+    (multi-tensor) ops whatever the parameter count, and no host sync.
+    """
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    out: list[torch.Tensor | None] = []
+    at, gs, vs, epss, betas, steps = [], [], [], [], [], []
+    for p, g in zip(params, grads, strict=True):
+        if g is None:
+            continue
+        g = g.detach()
+        state, group = optimizer.state.get(p, {}), group_of.get(id(p))
+        v = state.get("exp_avg_sq")
+        if v is None or group is None:
+            out.append(g)
+            continue
+        at.append(len(out))
+        out.append(None)
+        gs.append(g if g.dtype == torch.float64 else g.float())
+        vs.append(v)
+        epss.append(float(group.get("eps", 1e-8)))
+        betas.append(float(group.get("betas", (0.9, 0.999))[1]))
+        # Step 0 (or no bias correction) gives 1 - beta2^0 = 0: no correction below.
+        steps.append(state.get("step", 0) if group.get("bias_correction", True) else 0)
+    if not gs:
+        return out  # type: ignore[return-value]
+    device = vs[0].device
+    if all(isinstance(t, torch.Tensor) for t in steps):  # may live on the GPU: never read them
+        step = torch.stack([t.reshape(()) for t in steps]).to(device, torch.float64)
+    else:
+        step = torch.tensor([float(t) for t in steps], dtype=torch.float64, device=device)
+    bc2 = 1.0 - torch.tensor(betas, dtype=torch.float64, device=device) ** step
+    roots = torch.where(bc2 > 0, bc2.clamp_min(0).sqrt(), 1.0)
+    denom = torch._foreach_sqrt(vs)
+    torch._foreach_div_(denom, list(roots.unbind()))
+    torch._foreach_add_(denom, epss)
+    for i, t in zip(at, torch._foreach_div(gs, denom), strict=True):
+        out[i] = t
+    return out  # type: ignore[return-value]
+
+
+def _tensor_sq_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Squared norm of each tensor as one float64 vector (a few ops, any dtypes)."""
+    acc = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    norms = torch._foreach_norm(list(tensors), 2, dtype=acc)
+    return torch.stack(norms).to(torch.float64).square()
+
+
+def install_local_norms(run: Run, preconditioned: bool) -> None:
+    """Small-batch norms: preconditioned for Adam/LAMB, and independent of DDP's buckets.
+
+    DDP regroups its buckets after the first step of every run, so a sum over
+    buckets would change its rounding after a resume. Each parameter's squared
+    norm goes to its own slot of a vector summed in parameter order.
+    """
+    opt = run.optimizer
+    if preconditioned:
+        run._first_sq_norm = lambda params: sq_norm(
+            preconditioned_grads(opt, params, [p.grad for p in params]))
+    comm = run._comm
+    if comm is None or not comm.measure_local:
+        return
+    index = {id(p): i for i, p in enumerate(run._params)}
+    slots = torch.zeros(len(run._params), dtype=torch.float64, device=run.world.device)
+    where: dict[tuple[int, ...], torch.Tensor] = {}  # bucket's parameters -> their slots
+    inner, inner_state = comm.inner, comm.inner_state
+
+    def hook(_state: Any, bucket: Any) -> Any:
+        # Before the inner hook divides or reduces the bucket in place (still loss-scaled).
+        if comm.local_sq is None:  # taken by the engine: a new optimizer step
+            slots.zero_()
+        params, grads = bucket.parameters(), bucket.gradients()
+        key = tuple(index[id(p)] for p in params)
+        if key not in where:
+            where[key] = torch.tensor(key, dtype=torch.long, device=slots.device)
+        pre = preconditioned_grads(opt, params, grads) if preconditioned else grads
+        slots.index_copy_(0, where[key], _tensor_sq_norms(pre))
+        comm.local_sq = slots.sum()
+        return inner(inner_state, bucket)
+
+    comm.measure_local = False  # the engine's per-bucket sum is replaced by `hook`
+    comm.inner, comm.inner_state = hook, None
