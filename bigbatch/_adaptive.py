@@ -140,10 +140,15 @@ class Adaptive:
                                      power=power)
         self.tuner: GoodputTuner | None = None
         if a.batch_size == "goodput":
-            lo, hi = _goodput_limits(a, run.plan)
+            # Limits from the configured batch, not from one a resume restored (`prepare(plan=)`).
+            try:
+                configured = strategy.resolve(run.world.world_size)
+            except ConfigError:
+                configured = run.plan
+            lo, hi = _goodput_limits(a, configured)
             self.tuner = GoodputTuner(strategy.batch.base_batch_size, min_batch_size=lo,
                                       max_batch_size=hi,
-                                      max_micro_batch_size=run.plan.micro_batch_size,
+                                      max_micro_batch_size=configured.micro_batch_size,
                                       threshold=a.gain_threshold)
         self.last_suggestion: Suggestion | None = None
         self.estimate_log: list[dict[str, float]] | None = None

@@ -179,3 +179,19 @@ def test_adascale_and_noise_scale_state_carry_over_to_one_worker(elastic, caplog
         assert a.tracker.steps > ada["tracker"]["steps"] and not a.tracker.biased
     else:  # one worker, no merge: only consecutive steps are left, a new (biased) estimate
         assert a.tracker.biased and "source changed" in caplog.text
+
+
+def test_a_restored_goodput_batch_keeps_the_configured_limits():
+    s = strategy(global_batch=64, micro=32, k=2, adaptive={"batch_size": "goodput"})
+    run = prepare(make_model(), s, total_steps=10, world=ONE)
+    limits = (run.adaptive.tuner.min_batch_size, run.adaptive.tuner.max_batch_size,
+              run.adaptive.tuner.max_micro_batch_size)
+    run.set_batch(16, 8)  # as goodput's decision would: 128 samples in micro-batches of 16
+    state = run.state_dict()
+    plan = resume_plan(s, 1, state["batch"])
+    again = prepare(make_model(), s, total_steps=10, world=ONE, plan=plan)
+    again.load_state_dict(state)
+    assert (again.plan.global_batch_size, again.plan.micro_batch_size, again.k_steps) == (128, 16, 8)
+    assert again.progress_rate == 2.0  # steps of 128 count as two steps of the configured 64
+    t = again.adaptive.tuner
+    assert (t.min_batch_size, t.max_batch_size, t.max_micro_batch_size) == limits
