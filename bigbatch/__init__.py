@@ -6,7 +6,7 @@ The pieces compose but stand alone: ``bigbatch.LAMB`` is a plain
 own training loop.
 """
 
-from . import adascale, adasum, gns, scaling, schedules
+from . import adascale, adasum, elastic, gns, scaling, schedules
 from .adascale import AdaScale
 from .engine import Run, prepare
 from .errors import ConfigError
@@ -27,6 +27,6 @@ __all__ = [
     "TrainConfig", "get_task",
     "GradientNoiseScale", "AdaScale",
     "ConfigError",
-    "adascale", "adasum", "gns", "scaling", "schedules",
+    "adascale", "adasum", "elastic", "gns", "scaling", "schedules",
     "__version__",
 ]
