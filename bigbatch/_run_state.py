@@ -73,8 +73,8 @@ def load_state_dict(run: Run, state: dict[str, Any]) -> None:
         saved = BatchState.from_dict(saved)
         run.unit_batch_size = saved.unit_batch_size
         plan = resume_plan(run.strategy, run.world.world_size, saved)
-    if state["micro"] and (int(state["k_steps"]), saved and saved.world_size) != (
-            plan.k_steps, saved and plan.world_size):
+    moved = saved is not None and saved.world_size != plan.world_size
+    if state["micro"] and (int(state["k_steps"]) != plan.k_steps or moved):
         raise ConfigError(
             f"checkpoint taken mid-merge-window with k_steps={state['k_steps']}; it resumes "
             f"only with the same k_steps and world size (this run: k_steps={plan.k_steps}, "

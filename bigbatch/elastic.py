@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from bigbatch.errors import ConfigError
-from bigbatch.scaling import scale_lr
 
 __all__ = ["ELASTIC_MODES", "BatchState", "resume_plan", "split_batch"]
 
@@ -88,8 +87,6 @@ def split_batch(global_batch_size: int, world_size: int, max_micro: int | None =
 
 def resume_plan(strategy: Any, world_size: int, saved: BatchState | dict[str, Any]) -> Any:
     """The `BatchPlan` for resuming on `world_size` workers from a checkpoint's batch `saved`."""
-    from bigbatch.strategy import BatchPlan
-
     if isinstance(saved, dict):
         saved = BatchState.from_dict(saved)
     sizes = configured_sizes(strategy)
@@ -103,6 +100,4 @@ def resume_plan(strategy: Any, world_size: int, saved: BatchState | dict[str, An
     else:
         g = saved.global_batch_size
         micro, k = split_batch(g, world_size, sizes[1] or saved.micro_batch_size, sizes[2])
-    b = strategy.batch
-    scale = g / b.base_batch_size
-    return BatchPlan(g, micro, k, world_size, scale, scale_lr(b.base_lr, scale, b.scaling))
+    return strategy.batch_plan(g, micro, k, world_size)

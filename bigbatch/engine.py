@@ -102,7 +102,6 @@ from bigbatch._grad_info import GradInfo, small_batch_sq_norm, sq_norm
 from bigbatch._micro_step import MicroStep
 from bigbatch.distributed import World, init_distributed, teardown
 from bigbatch.errors import ConfigError
-from bigbatch.scaling import scale_lr
 from bigbatch.schedules import warmup_start_lr
 
 __all__ = ["GradInfo", "MicroStep", "Run", "prepare", "schedule_steps"]
@@ -238,17 +237,15 @@ class Run:
         if self.micro:
             raise RuntimeError("run.set_batch() inside a merge window; call it after the "
                                "optimizer step (ms.stepped)")
-        b = self.strategy.batch
-        g = int(micro_batch_size) * int(k_steps) * self.world.world_size
-        scale = g / b.base_batch_size
-        peak = scale_lr(b.base_lr, scale, b.scaling)
-        self.plan = dataclasses.replace(
-            self.plan, global_batch_size=g, micro_batch_size=int(micro_batch_size),
-            k_steps=int(k_steps), world_size=self.world.world_size, scale=scale, peak_lr=peak)
-        self.k_steps = int(k_steps)
-        self.schedule = dataclasses.replace(self._base_schedule, peak_lr=peak,
-                                            warmup_start_lr=warmup_start_lr(b.base_lr, peak))
-        self.progress_rate = g / self.unit_batch_size  # AdaScale replaces it by its gain
+        W = self.world.world_size
+        self.plan = plan = self.strategy.batch_plan(micro_batch_size * k_steps * W,
+                                                    micro_batch_size, k_steps, W)
+        self.k_steps = plan.k_steps
+        self.schedule = dataclasses.replace(
+            self._base_schedule, peak_lr=plan.peak_lr,
+            warmup_start_lr=warmup_start_lr(self.strategy.batch.base_lr, plan.peak_lr))
+        # AdaScale replaces the rate by its gain at every step.
+        self.progress_rate = plan.global_batch_size / self.unit_batch_size
         if self.adaptive is not None:
             self.adaptive.on_batch_change()
 

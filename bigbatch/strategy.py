@@ -285,8 +285,15 @@ class Strategy:
                 f"batch.global_batch_size={g} is not micro_batch_size {m} x k_steps {k} x "
                 f"world_size {w} = {m * k * w}{hint}"
             )
-        scale = g / b.base_batch_size
-        return BatchPlan(g, m, k, w, scale, scale_lr(b.base_lr, scale, b.scaling))
+        return self.batch_plan(g, m, k, w)
+
+    def batch_plan(self, global_batch_size: int, micro_batch_size: int, k_steps: int,
+                   world_size: int) -> BatchPlan:
+        """The plan of these sizes: scale and peak LR by ``batch.scaling`` (no checks)."""
+        b = self.batch
+        scale = global_batch_size / b.base_batch_size
+        return BatchPlan(int(global_batch_size), int(micro_batch_size), int(k_steps),
+                         int(world_size), scale, scale_lr(b.base_lr, scale, b.scaling))
 
     def overview(
         self,
