@@ -15,6 +15,7 @@ traceback; a hang is killed after `timeout` seconds.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import socket
@@ -51,6 +52,11 @@ def _child(fn: Callable, args: tuple, rank: int, world_size: int, port: int, out
     except BaseException:
         torch.save({"ok": False, "error": traceback.format_exc()}, path)
     finally:
+        # What `fn` left behind goes while the group still exists. A DDP reducer holds the
+        # gloo group; when it holds the last reference, freeing it destroys the group with
+        # the GIL held, and the group's destructor can wait forever on a gloo thread that
+        # itself waits for the GIL (a hang after all the work is done).
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
 

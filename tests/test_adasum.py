@@ -1,15 +1,10 @@
 """Adasum: the pairwise rule, the sequential tree, and the collective/DDP hook on 2, 3, 4 ranks."""
 
 import copy
-import multiprocessing
-import socket
-import time
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from bigbatch.adasum import adasum, adasum_allreduce, adasum_hook, adasum_reduce
 
@@ -76,29 +71,6 @@ def test_reduce_tree_shapes():
 # ----------------------------------------------------------------------------- processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(fn, world: int, timeout: float = 90.0) -> None:
-    # A fork server imports torch once (and what DDP imports lazily: torch._dynamo); every
-    # worker process is then a cheap fork of it.
-    multiprocessing.set_forkserver_preload(
-        ["torch", "torch.distributed", "torch._dynamo", "pytest", "bigbatch.adasum"]
-    )
-    ctx = mp.start_processes(
-        fn, args=(world, _free_port()), nprocs=world, join=False, start_method="forkserver"
-    )
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{world}-process test timed out after {timeout}s")
-
-
 SHAPES = [(3, 4), (5,), (2, 2, 2), (1,)]
 
 
@@ -107,26 +79,31 @@ def _data(r: int, dtype=torch.float32) -> list[torch.Tensor]:
     return [torch.randn(*s, generator=gen).to(dtype) for s in SHAPES]
 
 
-def _worker(rank: int, world: int, port: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
-    try:
-        _check_collective(rank, world)
-        _check_ddp_hook(rank, world)
-    finally:
-        dist.destroy_process_group()
+SIZES = (2, 3, 4)  # a pair, an odd number (one rank folds in first), a two-level tree
 
 
-def _check_collective(rank: int, world: int) -> None:
+def _worker() -> None:
+    """Four gloo ranks (made by `run_workers`) check the groups of their first 2, 3 and 4
+    ranks, the last being the default group (``group=None``); one process start for all
+    three. Raises on a mismatch, naming the group."""
+    rank = dist.get_rank()
+    # new_group is collective over every rank, member or not: all groups are made up front.
+    groups = {n: dist.new_group(list(range(n))) for n in SIZES[:-1]} | {SIZES[-1]: None}
+    subgroups = {n: dist.new_group(list(range(1, n))) for n in SIZES if n >= 3}
+    for n in SIZES:
+        if rank >= n:
+            continue
+        try:
+            _check_collective(rank, n, groups[n], subgroups.get(n))
+            _check_ddp_hook(rank, n, groups[n])
+        except AssertionError as e:
+            raise AssertionError(f"rank {rank} in the group of ranks 0..{n - 1}: {e}") from e
+
+
+def _check_collective(rank: int, world: int, group, sub) -> None:
     for dtype in (torch.float32, torch.float64):
         mine = _data(rank, dtype)
-        out = adasum_allreduce(mine)
+        out = adasum_allreduce(mine, group=group)
         assert out[0] is mine[0]  # in place
         everyone = [_data(r, dtype) for r in range(world)]
         for i, t in enumerate(mine):
@@ -134,20 +111,19 @@ def _check_collective(rank: int, world: int) -> None:
             torch.testing.assert_close(t, expected, rtol=1e-6, atol=1e-7)
         # Bit-identical on every rank.
         gathered = [torch.empty_like(mine[0]) for _ in range(world)]
-        dist.all_gather(gathered, mine[0])
+        dist.all_gather(gathered, mine[0], group=group)
         assert all(torch.equal(g, gathered[0]) for g in gathered)
     # Orthogonal gradients add up; identical ones stay unchanged.
     ortho = [torch.eye(world)[rank] * (rank + 1.0)]
-    adasum_allreduce(ortho)
+    adasum_allreduce(ortho, group=group)
     torch.testing.assert_close(ortho[0], torch.arange(1.0, world + 1.0))
     same = _data(0)
-    adasum_allreduce(same)
+    adasum_allreduce(same, group=group)
     for t, ref in zip(same, _data(0), strict=True):
         torch.testing.assert_close(t, ref)
     # A subgroup of the ranks (global ranks are not group ranks).
-    if world >= 3:
+    if sub is not None:
         members = list(range(1, world))
-        sub = dist.new_group(members)
         if rank in members:
             t = [_data(rank)[0]]
             adasum_allreduce(t, group=sub)
@@ -155,7 +131,7 @@ def _check_collective(rank: int, world: int) -> None:
             torch.testing.assert_close(t[0], expected, rtol=1e-6, atol=1e-7)
 
 
-def _check_ddp_hook(rank: int, world: int) -> None:
+def _check_ddp_hook(rank: int, world: int, group) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
     ref = copy.deepcopy(model)
@@ -165,8 +141,9 @@ def _check_ddp_hook(rank: int, world: int) -> None:
         ref.zero_grad()
         ref(x).pow(2).mean().backward()
         per_rank.append([p.grad.clone() for p in ref.parameters()])
-    ddp = torch.nn.parallel.DistributedDataParallel(model)  # one bucket holds every layer
-    ddp.register_comm_hook(None, adasum_hook)
+    # One bucket holds every layer.
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+    ddp.register_comm_hook(group, adasum_hook)
     ddp(xs[rank]).pow(2).mean().backward()
     params = list(model.parameters())
     for i, p in enumerate(params):
@@ -178,6 +155,7 @@ def _check_ddp_hook(rank: int, world: int) -> None:
     assert not torch.allclose(ours, flat, rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_collective_and_ddp_hook(world):
-    _spawn(_worker, world)
+def test_collective_and_ddp_hook_on_2_3_4_ranks():
+    from tests._dist import run_workers
+
+    run_workers(_worker, 4, timeout=120, init_group=True)

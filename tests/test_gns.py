@@ -15,15 +15,10 @@ from __future__ import annotations
 import copy
 import io
 import math
-import multiprocessing
-import socket
-import time
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from bigbatch import gns
 from bigbatch.errors import ConfigError
@@ -304,81 +299,51 @@ def test_ddp_sq_norms_single_process_is_none():
 # ----------------------------------------------------------------------------- 2 processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ddp_worker() -> None:
+    """One rank of a 2-process gloo group (made by `run_workers`); raises on a mismatch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    xs = [torch.randn(6, 5, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    ref = copy.deepcopy(model)  # per-rank gradients, computed outside DDP's hooks
+
+    def local_grads(r):
+        ref.load_state_dict(model.state_dict())
+        ref.zero_grad()
+        ref(xs[r]).pow(2).mean().backward()
+        return [p.grad.clone() for p in ref.parameters()]
+
+    opt = torch.optim.Adam(model.parameters(), eps=1e-4)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1e-5)
+    state = gns.LocalSqNorm()
+    ddp.register_comm_hook(state, gns.local_sq_norm_hook)
+    for step in range(2):
+        per_rank = [local_grads(r) for r in range(world)]
+        opt.zero_grad()
+        ddp(xs[rank]).pow(2).mean().backward()
+        params = list(model.parameters())
+        mean = [sum(g[i] for g in per_rank) / world for i in range(len(params))]
+        for p, m in zip(params, mean, strict=True):
+            torch.testing.assert_close(p.grad, m)  # hook reduces like DDP's default
+        local = state.pop()
+        assert state.pop() is None
+        pair = gns.ddp_sq_norms(local, sq_norm(p.grad for p in params), 6)
+        if step == 0:
+            small = sum(float(sq_norm(g)) for g in per_rank) / world
+            assert pair.small_sq_norm == pytest.approx(small, rel=1e-5)
+            assert pair.big_sq_norm == pytest.approx(float(sq_norm(mean)), rel=1e-5)
+            assert (pair.small_batch, pair.big_batch) == (6, 6 * world)
+            opt.step()
+            state.optimizer = opt  # second step: preconditioned norms
+        else:
+            small = sum(float(adam_sq_norm(opt, params, g)) for g in per_rank) / world
+            assert pair.small_sq_norm == pytest.approx(small, rel=1e-5)
 
 
-def _spawn(fn, world: int, timeout: float = 90.0) -> None:
-    # A fork server imports torch once (and what DDP imports lazily: torch._dynamo); every
-    # worker process is then a cheap fork of it.
-    multiprocessing.set_forkserver_preload(
-        ["torch", "torch.distributed", "torch._dynamo", "pytest", "bigbatch.gns"]
-    )
-    ctx = mp.start_processes(
-        fn, args=(world, _free_port()), nprocs=world, join=False, start_method="forkserver"
-    )
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{world}-process test timed out after {timeout}s")
-
-
-def _ddp_worker(rank: int, world: int, port: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
-    try:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
-        xs = [torch.randn(6, 5, generator=torch.Generator().manual_seed(r)) for r in range(world)]
-        ref = copy.deepcopy(model)  # per-rank gradients, computed outside DDP's hooks
-
-        def local_grads(r):
-            ref.load_state_dict(model.state_dict())
-            ref.zero_grad()
-            ref(xs[r]).pow(2).mean().backward()
-            return [p.grad.clone() for p in ref.parameters()]
-
-        opt = torch.optim.Adam(model.parameters(), eps=1e-4)
-        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1e-5)
-        state = gns.LocalSqNorm()
-        ddp.register_comm_hook(state, gns.local_sq_norm_hook)
-        for step in range(2):
-            per_rank = [local_grads(r) for r in range(world)]
-            opt.zero_grad()
-            ddp(xs[rank]).pow(2).mean().backward()
-            params = list(model.parameters())
-            mean = [sum(g[i] for g in per_rank) / world for i in range(len(params))]
-            for p, m in zip(params, mean, strict=True):
-                torch.testing.assert_close(p.grad, m)  # hook reduces like DDP's default
-            local = state.pop()
-            assert state.pop() is None
-            pair = gns.ddp_sq_norms(local, sq_norm(p.grad for p in params), 6)
-            if step == 0:
-                small = sum(float(sq_norm(g)) for g in per_rank) / world
-                assert pair.small_sq_norm == pytest.approx(small, rel=1e-5)
-                assert pair.big_sq_norm == pytest.approx(float(sq_norm(mean)), rel=1e-5)
-                assert (pair.small_batch, pair.big_batch) == (6, 6 * world)
-                opt.step()
-                state.optimizer = opt  # second step: preconditioned norms
-            else:
-                small = sum(float(adam_sq_norm(opt, params, g)) for g in per_rank) / world
-                assert pair.small_sq_norm == pytest.approx(small, rel=1e-5)
-    finally:
-        dist.destroy_process_group()
-
-
-# Slow-only for now: in the full default run (after the engine's 2-worker tests in the
-# same pytest process) its fork-server workers hang at rendezvous; alone it passes in 4 s.
-@pytest.mark.slow
 def test_ddp_local_vs_global_two_processes():
-    _spawn(_ddp_worker, 2)
+    from tests._dist import run_workers
+
+    # The worker leaves the group to run_workers, which destroys it once the worker's DDP is
+    # gone: the old worker destroyed it first, so DDP's reducer freed the gloo group later and
+    # sometimes deadlocked on the GIL after all its work was done (see tests/_dist.py).
+    run_workers(_ddp_worker, 2, timeout=120, init_group=True)
