@@ -1,5 +1,6 @@
 """Reliability of `bigbatch train`: non-finite losses (`nan_policy`), a killed worker, hangs."""
 
+import contextlib
 import importlib
 import json
 import math
@@ -278,6 +279,105 @@ def test_hung_peer_ends_the_run_with_one_line(tmp_path):
                     "data_parallel.timeout_s=3s (dead or hung worker)"), err
     assert "Traceback" not in err and seconds < 60
     assert got[1][0] == 1  # and rank 1 does not wait forever either
+
+
+# A stopped worker (SIGSTOP) is hung for real: alive, its sockets open, answering nothing.
+# Its peer's collective times out after --timeout s; torchrun then stops the group with
+# SIGTERM, which a stopped process does not act on, and SIGKILL 30 s later.
+HUNG_LINE = ("bigbatch train: error: a peer did not answer within "
+             "data_parallel.timeout_s=3s (dead or hung worker)")
+STOP_ARGS = [*LAUNCH, "--steps", "40", "--checkpoint-every", "2", "--timeout", "3"]
+
+
+def _our_worker(pid, out):
+    """True while `pid` is still a worker of the run writing to `out` (pids get reused)."""
+    try:
+        return str(out).encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _train_and_stop_rank1(tmp_path, out, *extra):
+    """Run `bigbatch train`, SIGSTOP rank 1 after a checkpoint, return (exit code, output,
+    seconds from the stop to the end of the job). Whatever happens, nothing is left behind:
+    the launcher's and every worker's process group (torchrun starts each worker in its own
+    session) get SIGCONT and SIGKILL."""
+    cmd = [sys.executable, "-m", "bigbatch", "train", *STOP_ARGS, *extra, "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    workers = set()
+    try:
+        deadline = time.monotonic() + 120
+        victim, at = None, random.randrange(2, 20, 2)  # stop after the checkpoint of step `at`
+        print(f"stopping rank 1 after step {at}'s checkpoint")
+        while time.monotonic() < deadline and proc.poll() is None:
+            ckpts = [int(p.stem[5:]) for p in (out / "checkpoints").glob("step-*.pt")]
+            victim = _worker_pid(proc.pid, rank=1) if max(ckpts, default=0) >= at else None
+            if victim is not None:
+                break
+            time.sleep(0.1)
+        assert victim is not None, f"no worker to stop (launcher exit code {proc.poll()})"
+        workers |= {victim, _worker_pid(proc.pid, rank=0)} - {None}
+        os.kill(victim, signal.SIGSTOP)
+        stopped = time.monotonic()
+        assert not (out / "final.pt").exists(), "finished before the stop"
+        output, _ = proc.communicate(timeout=150)
+        return proc.returncode, output, time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:  # the workers of now, then the launcher (no more restarts)
+            workers |= {_worker_pid(proc.pid, rank=r) for r in (0, 1)} - {None}
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        for pid in workers:
+            if _our_worker(pid, out):
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pid, sig)
+
+
+def _raised(output):
+    """The exception line that ends each Python traceback in `output`."""
+    ends, inside = [], False
+    for line in output.splitlines():
+        if line.startswith("Traceback (most recent call last):"):
+            inside = True
+        elif inside and line and not line[0].isspace():
+            ends.append(line.rstrip())
+            inside = False
+    return ends
+
+
+@pytest.mark.slow
+def test_stopped_worker_under_torchrun_ends_the_run_with_one_line(tmp_path):
+    code, output, seconds = _train_and_stop_rank1(tmp_path, tmp_path / "run")
+    print(f"exit {code} {seconds:.1f} s after the stop; output:\n{output}")
+    assert code != 0, output[-3000:]
+    lines = output.splitlines()
+    assert lines.count(HUNG_LINE) == 1, output[-3000:]  # rank 0 says it; rank 1 never runs again
+    # One traceback: torchrun's own report of the failed worker, none from a worker.
+    assert _raised(output) == ["torch.distributed.elastic.multiprocessing.errors."
+                               "ChildFailedError:"], output[-3000:]
+    assert seconds < 90, output[-3000:]  # 3 s timeout + torchrun's 30 s SIGTERM grace
+
+
+@pytest.mark.slow
+def test_stopped_worker_under_torchrun_is_restarted_and_ends_with_the_same_weights(tmp_path):
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    p = subprocess.run([sys.executable, "-m", "bigbatch", "train", *STOP_ARGS, "--out", str(full)],
+                       cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    code, output, seconds = _train_and_stop_rank1(tmp_path, cut, "--max-restarts", "1")
+    print(f"exit {code} {seconds:.1f} s after the stop; output:\n{output}")
+    assert code == 0, output[-3000:]
+    assert HUNG_LINE in output.splitlines(), output[-3000:]  # the first attempt's end
+    assert _raised(output) == [], output[-3000:]
+    assert "resuming" in output, output[-3000:]
+    a = torch.load(full / "final.pt", weights_only=True)
+    b = torch.load(cut / "final.pt", weights_only=True)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert json.loads((cut / "summary.json").read_text())["steps"] == 40
 
 
 def test_timeout_flag_sets_the_collective_and_rendezvous_timeouts(tmp_path):
