@@ -81,6 +81,7 @@ of `total_steps` configured-batch steps (progress advances by
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from collections.abc import Callable
 from typing import Any
@@ -354,6 +355,9 @@ class Run:
     def close(self) -> None:
         """Tear down the process group if `prepare()` created it."""
         if self._owns_group:
+            # DDP's reducer must go before the process group it uses (see `train.train`).
+            self.model, self._ddp = self.module, None
+            gc.collect()
             teardown()
             self._owns_group = False
 

@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import json
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -152,17 +153,21 @@ def train(config: TrainConfig, strategy: Strategy, world: World | None = None) -
     world = world if world is not None else World.from_env()
     owns_group = world.is_distributed and not dist.is_initialized()
     init_distributed(strategy.data_parallel, world)
+    trainer = None
     try:
         trainer = _Trainer(config, strategy, world)
         summary = trainer.fit()
-        # DDP's reducer must go before the process group it uses: destroyed after it, a
-        # gloo worker sometimes aborts at exit ("terminate called without an active exception").
-        del trainer
-        gc.collect()
         if owns_group:  # and leave together
             U.barrier(world)
         return summary
+    except BaseException as e:
+        traceback.clear_frames(e.__traceback__)  # its frames would keep the trainer alive
+        raise
     finally:
+        # DDP's reducer must go before the process group it uses: freed after it (with the
+        # GIL held), a gloo worker can hang on its own loop thread or abort at exit.
+        trainer = None
+        gc.collect()
         if owns_group:  # a caller's process group stays theirs
             teardown()
 
