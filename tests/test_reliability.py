@@ -184,45 +184,6 @@ def _worker_pid(launcher_pid, rank):
     return None
 
 
-@pytest.mark.slow
-def test_killed_worker_is_restarted_and_ends_with_the_same_weights(tmp_path):
-    full, cut = tmp_path / "full", tmp_path / "cut"
-    args = [sys.executable, "-m", "bigbatch", "train", *LAUNCH, "--steps", "40",
-            "--checkpoint-every", "2"]
-    p = subprocess.run([*args, "--out", str(full)], cwd=ROOT, env=_env(tmp_path),
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    proc = subprocess.Popen([*args, "--max-restarts", "1", "--out", str(cut)], cwd=ROOT,
-                            env=_env(tmp_path), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        victim, at = None, random.randrange(2, 20, 2)  # kill after the checkpoint of step `at`
-        print(f"killing rank 1 after step {at}'s checkpoint")
-        while time.monotonic() < deadline:
-            ckpts = [int(p.stem[5:]) for p in (cut / "checkpoints").glob("step-*.pt")]
-            victim = _worker_pid(proc.pid, rank=1) if max(ckpts, default=0) >= at else None
-            if victim is not None:
-                break
-            time.sleep(0.1)
-        assert victim is not None, "no worker found"
-        os.kill(victim, signal.SIGKILL)
-        assert not (cut / "final.pt").exists(), "finished before the kill"
-        output, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-    assert proc.returncode == 0, output[-3000:]
-    assert "resuming" in output, output[-3000:]
-    a = torch.load(full / "final.pt", weights_only=True)
-    b = torch.load(cut / "final.pt", weights_only=True)
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-    assert json.loads((cut / "summary.json").read_text())["steps"] == 40
-
-
 def _hang_on_rank1(argv, cache):
     import contextlib
     import io
@@ -297,32 +258,32 @@ def _our_worker(pid, out):
         return False
 
 
-def _train_and_stop_rank1(tmp_path, out, *extra):
-    """Run `bigbatch train`, SIGSTOP rank 1 after a checkpoint, return (exit code, output,
-    seconds from the stop to the end of the job). Whatever happens, nothing is left behind:
-    the launcher's and every worker's process group (torchrun starts each worker in its own
-    session) get SIGCONT and SIGKILL."""
-    cmd = [sys.executable, "-m", "bigbatch", "train", *STOP_ARGS, *extra, "--out", str(out)]
+def _train_and_signal_rank1(tmp_path, out, sig, *args):
+    """Run `bigbatch train *args`, send rank 1 `sig` (SIGKILL: a dead worker, SIGSTOP: a hung
+    one) after a checkpoint, return (exit code, output, seconds from the signal to the end of
+    the job). Whatever happens, nothing is left behind: the launcher's and every worker's
+    process group (torchrun starts each worker in its own session) get SIGCONT and SIGKILL."""
+    cmd = [sys.executable, "-m", "bigbatch", "train", *args, "--out", str(out)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(tmp_path), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     workers = set()
     try:
         deadline = time.monotonic() + 120
-        victim, at = None, random.randrange(2, 20, 2)  # stop after the checkpoint of step `at`
-        print(f"stopping rank 1 after step {at}'s checkpoint")
+        victim, at = None, random.randrange(2, 20, 2)  # signal after step `at`'s checkpoint
+        print(f"{sig.name} to rank 1 after step {at}'s checkpoint")
         while time.monotonic() < deadline and proc.poll() is None:
             ckpts = [int(p.stem[5:]) for p in (out / "checkpoints").glob("step-*.pt")]
             victim = _worker_pid(proc.pid, rank=1) if max(ckpts, default=0) >= at else None
             if victim is not None:
                 break
             time.sleep(0.1)
-        assert victim is not None, f"no worker to stop (launcher exit code {proc.poll()})"
+        assert victim is not None, f"no worker to signal (launcher exit code {proc.poll()})"
         workers |= {victim, _worker_pid(proc.pid, rank=0)} - {None}
-        os.kill(victim, signal.SIGSTOP)
-        stopped = time.monotonic()
-        assert not (out / "final.pt").exists(), "finished before the stop"
+        os.kill(victim, sig)
+        sent = time.monotonic()
+        assert not (out / "final.pt").exists(), "finished before the signal"
         output, _ = proc.communicate(timeout=150)
-        return proc.returncode, output, time.monotonic() - stopped
+        return proc.returncode, output, time.monotonic() - sent
     finally:
         if proc.poll() is None:  # the workers of now, then the launcher (no more restarts)
             workers |= {_worker_pid(proc.pid, rank=r) for r in (0, 1)} - {None}
@@ -333,6 +294,34 @@ def _train_and_stop_rank1(tmp_path, out, *extra):
                 for sig in (signal.SIGCONT, signal.SIGKILL):
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(pid, sig)
+
+
+def _uninterrupted_run(tmp_path, *args):
+    out = tmp_path / "full"
+    p = subprocess.run([sys.executable, "-m", "bigbatch", "train", *args, "--out", str(out)],
+                       cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return out
+
+
+def _assert_same_final_weights(full, cut, steps):
+    a = torch.load(full / "final.pt", weights_only=True)
+    b = torch.load(cut / "final.pt", weights_only=True)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert json.loads((cut / "summary.json").read_text())["steps"] == steps
+
+
+@pytest.mark.slow
+def test_killed_worker_is_restarted_and_ends_with_the_same_weights(tmp_path):
+    args = [*LAUNCH, "--steps", "40", "--checkpoint-every", "2"]
+    full = _uninterrupted_run(tmp_path, *args)
+    code, output, _ = _train_and_signal_rank1(tmp_path, tmp_path / "cut", signal.SIGKILL,
+                                              *args, "--max-restarts", "1")
+    assert code == 0, output[-3000:]
+    assert "resuming" in output, output[-3000:]
+    _assert_same_final_weights(full, tmp_path / "cut", 40)
 
 
 def _raised(output):
@@ -349,7 +338,8 @@ def _raised(output):
 
 @pytest.mark.slow
 def test_stopped_worker_under_torchrun_ends_the_run_with_one_line(tmp_path):
-    code, output, seconds = _train_and_stop_rank1(tmp_path, tmp_path / "run")
+    code, output, seconds = _train_and_signal_rank1(tmp_path, tmp_path / "run", signal.SIGSTOP,
+                                                    *STOP_ARGS)
     print(f"exit {code} {seconds:.1f} s after the stop; output:\n{output}")
     assert code != 0, output[-3000:]
     lines = output.splitlines()
@@ -362,22 +352,15 @@ def test_stopped_worker_under_torchrun_ends_the_run_with_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_stopped_worker_under_torchrun_is_restarted_and_ends_with_the_same_weights(tmp_path):
-    full, cut = tmp_path / "full", tmp_path / "cut"
-    p = subprocess.run([sys.executable, "-m", "bigbatch", "train", *STOP_ARGS, "--out", str(full)],
-                       cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    code, output, seconds = _train_and_stop_rank1(tmp_path, cut, "--max-restarts", "1")
+    full, cut = _uninterrupted_run(tmp_path, *STOP_ARGS), tmp_path / "cut"
+    code, output, seconds = _train_and_signal_rank1(tmp_path, cut, signal.SIGSTOP, *STOP_ARGS,
+                                                    "--max-restarts", "1")
     print(f"exit {code} {seconds:.1f} s after the stop; output:\n{output}")
     assert code == 0, output[-3000:]
     assert HUNG_LINE in output.splitlines(), output[-3000:]  # the first attempt's end
     assert _raised(output) == [], output[-3000:]
     assert "resuming" in output, output[-3000:]
-    a = torch.load(full / "final.pt", weights_only=True)
-    b = torch.load(cut / "final.pt", weights_only=True)
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-    assert json.loads((cut / "summary.json").read_text())["steps"] == 40
+    _assert_same_final_weights(full, cut, 40)
 
 
 def test_timeout_flag_sets_the_collective_and_rendezvous_timeouts(tmp_path):
