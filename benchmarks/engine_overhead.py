@@ -17,20 +17,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bigbatch.distributed import init_distributed, teardown  # noqa: E402
+from _gloo import run_on_workers  # noqa: E402
+
 from bigbatch.engine import prepare  # noqa: E402
 from bigbatch.strategy import Strategy  # noqa: E402
 
@@ -50,12 +49,6 @@ def strategy(micro: int, k: int) -> Strategy:
         "optimizer": {"type": "momentum", "momentum": 0.9},
         "gradient_merge": {"k_steps": k},
     })
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _count_hook(state, bucket):
@@ -128,11 +121,7 @@ def _time(loop, xs, ys, start: int, count: int) -> list[float]:
     return out
 
 
-def _worker(rank: int, args, port: int) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(args.threads)
-    init_distributed()
+def _measure(rank: int, args) -> None:
     report = []
     for k in (1, 4):
         xs, ys = _batches(args, k, 16)
@@ -172,8 +161,6 @@ def _worker(rank: int, args, port: int) -> None:
         for name in ("engine", "hand"):
             c1, c4 = calls[name, 1], calls[name, 4]
             print(f"  {name:>6}: k=1 {c1}, k=4 {c4}, ratio k4/k1 = {c4 / c1:.3f}")
-    dist.barrier()
-    teardown()
 
 
 def main(argv=None) -> int:
@@ -186,7 +173,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per loop first")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per worker")
     args = p.parse_args(argv)
-    mp.spawn(_worker, args=(args, free_port()), nprocs=WORLD, join=True)
+    run_on_workers(_measure, args, WORLD)
     return 0
 
 

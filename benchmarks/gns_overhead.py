@@ -24,30 +24,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bigbatch.distributed import init_distributed, teardown  # noqa: E402
+from _gloo import run_on_workers  # noqa: E402
+
 from bigbatch.engine import prepare  # noqa: E402
 from bigbatch.gns_probe import default_strategy  # noqa: E402
 from bigbatch.strategy import Strategy  # noqa: E402
 from bigbatch.tasks import get_task  # noqa: E402
 
 WORLD = 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def strategies(task, case: str, on: bool) -> Strategy:
@@ -92,11 +85,7 @@ def _time(loop: Loop, batches, start: int, count: int) -> list[float]:
     return out
 
 
-def _worker(rank: int, args, port: int) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(args.threads)
-    init_distributed()
+def _measure(rank: int, args) -> None:
     task = get_task("mnist1d")
     cases = ["demo", "recipe"] if args.case == "both" else [args.case]
     report = []
@@ -130,8 +119,6 @@ def _worker(rank: int, args, port: int) -> None:
             print(f"{case:>7} {split:>22} {med['off'] * 1e3:>9.2f} {med['on'] * 1e3:>9.2f} "
                   f"{med['on'] / med['off']:>7.3f} {med['off2'] / med['off']:>17.3f} {n:>6} "
                   f"{gns:>8.4g}")
-    dist.barrier()
-    teardown()
 
 
 def main(argv=None) -> int:
@@ -144,7 +131,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per worker")
     args = p.parse_args(argv)
     get_task("mnist1d")  # fill the data cache once, before the workers
-    mp.spawn(_worker, args=(args, free_port()), nprocs=WORLD, join=True)
+    run_on_workers(_measure, args, WORLD)
     return 0
 
 
