@@ -69,8 +69,9 @@ def _nproc(text: str) -> int | str:
 def default_nproc() -> int:
     """`--nproc auto`: one worker per GPU; on CPU two workers when there are two cores.
 
-    Two single-threaded workers beat one two-threaded worker on small CPU models
-    (benchmarks/train_throughput.py measured 1.5x on the demo).
+    The demo then runs data-parallel through torchrun, as on a cluster, at about the
+    speed of one two-threaded worker (benchmarks/train_throughput.py: 0.90-1.02x on a
+    quiet 2-core machine; 1.5x once on a loaded one).
     """
     import torch
 
