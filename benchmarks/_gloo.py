@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bigbatch.distributed import init_distributed, teardown
+from bigbatch.parallel.world import init_distributed, teardown
 
 
 def free_port() -> int:
@@ -38,7 +38,7 @@ def _entry(rank: int, measure: Callable[[int, Any], None], args: Any, world: int
         dist.barrier()
     finally:
         # The DDP models `measure` built must go before the group: freed after it, a gloo
-        # worker can hang or abort at exit (see bigbatch.train.train).
+        # worker can hang or abort at exit (see bigbatch.train.trainer.train).
         gc.collect()
         teardown()
 

@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from _gloo import run_on_workers  # noqa: E402
 
-from bigbatch.engine import prepare  # noqa: E402
-from bigbatch.strategy import Strategy  # noqa: E402
+from bigbatch.config.strategy import Strategy  # noqa: E402
+from bigbatch.engine.run import prepare  # noqa: E402
 
 WORLD = 2
 
@@ -79,7 +79,7 @@ class HandWritten:
     def __init__(self, args, k: int) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        from bigbatch.schedules import Schedule
+        from bigbatch.config.schedules import Schedule
 
         s = strategy(args.micro, k)
         plan = s.resolve(WORLD)

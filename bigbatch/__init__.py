@@ -4,17 +4,17 @@ The pieces compose but stand alone: ``bigbatch.LAMB`` is a plain
 ``torch.optim.Optimizer``; ``bigbatch.Strategy`` is the one typed config
 (Fleet-style TOML sections); ``bigbatch.prepare`` applies a Strategy to your
 own training loop.
+
+The subpackages are the layers, each importing only from those before it:
+``optim`` and ``adaptive`` (pure algorithms) -> ``config`` -> ``parallel`` ->
+``engine`` -> ``train``, ``tasks``, ``study`` -> ``cli``.
 """
 
-from . import adascale, adasum, elastic, gns, scaling, schedules
-from .adascale import AdaScale
+from .adaptive import AdaScale, GradientNoiseScale, adascale, adasum, gns
+from .config import BatchPlan, Schedule, Strategy, elastic, scale_lr, scaling, schedules
 from .engine import Run, prepare
 from .errors import ConfigError
-from .gns import GradientNoiseScale
 from .optim import LAMB, LARS, param_groups
-from .scaling import scale_lr
-from .schedules import Schedule
-from .strategy import BatchPlan, Strategy
 from .tasks import get_task
 from .train import TrainConfig
 

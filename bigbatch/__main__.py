@@ -1,5 +1,5 @@
 """`python -m bigbatch ...` (and `torchrun ... -m bigbatch train ...`)."""
 
-from bigbatch.cli import main
+from bigbatch.cli.main import main
 
 raise SystemExit(main())

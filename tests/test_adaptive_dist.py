@@ -25,10 +25,10 @@ from test_adaptive_engine import (
 )
 from test_engine import make_data, make_model, params_of, strategy
 
-from bigbatch.adascale import gain as adascale_gain
-from bigbatch.engine import prepare
-from bigbatch.gns import GradientNoiseScale
-from bigbatch.goodput import ThroughputParams, step_time
+from bigbatch.adaptive.adascale import gain as adascale_gain
+from bigbatch.adaptive.gns import GradientNoiseScale
+from bigbatch.adaptive.goodput import ThroughputParams, step_time
+from bigbatch.engine.run import prepare
 
 W, STEPS = 2, 4
 GNS_CASES = (("sgd", 64, 2), ("adamw", 128, None))  # (optimizer, micro, k_steps)
@@ -172,7 +172,7 @@ def test_gns_command_relaunches_two_workers(tmp_path):
     out = tmp_path / "gns.json"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run(
-        [sys.executable, "-m", "bigbatch.gns_probe", "--nproc", "2", "--task-opt",
+        [sys.executable, "-m", "bigbatch.cli.gns", "--nproc", "2", "--task-opt",
          "num_samples=800", "--task-opt", f"cache_dir='{tmp_path}'", "--steps", "12",
          "--points", "2", "--steps-per-point", "4", "--json", str(out)],
         capture_output=True, text=True, timeout=240, env=env)

@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from test_engine import ONE, make_data, make_model, params_of, strategy
 from torch import nn
 
-from bigbatch.adascale import gain as adascale_gain
-from bigbatch.engine import prepare, schedule_steps
+from bigbatch.adaptive.adascale import gain as adascale_gain
+from bigbatch.adaptive.gns import GradientNoiseScale
+from bigbatch.adaptive.goodput import ThroughputParams, step_time
+from bigbatch.engine.run import prepare, schedule_steps
 from bigbatch.errors import ConfigError
-from bigbatch.gns import GradientNoiseScale
-from bigbatch.goodput import ThroughputParams, step_time
 
 BETA2, EPS = 0.999, 1e-8  # the test strategy's AdamW
 
@@ -274,7 +274,7 @@ def test_goodput_bad_limits_are_config_errors():
 
 def test_adam_sq_norm_is_exact_in_float64():
     # gns.adam_sq_norm once rounded float64 gradients and Adam's bias correction to float32.
-    from bigbatch.gns import adam_sq_norm
+    from bigbatch.adaptive.gns import adam_sq_norm
 
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -321,7 +321,7 @@ class TinyTask:
 
 
 def test_window_estimate_by_hand():
-    from bigbatch.gns_probe import window_estimate
+    from bigbatch.study.noise_scale import window_estimate
 
     exact = window_estimate([{"sq_norm": g, "trace": 10 * g} for g in (1.0, 2.0, 3.0)])
     assert exact["b_simple"] == 10.0 and exact["stderr"] == 0.0 and exact["estimates"] == 3
@@ -333,7 +333,7 @@ def test_window_estimate_by_hand():
 
 
 def test_measure_noise_scale_points_and_summary():
-    from bigbatch.gns_probe import critical_batch, format_report, measure_noise_scale
+    from bigbatch.study.noise_scale import critical_batch, format_report, measure_noise_scale
 
     points = measure_noise_scale(TinyTask(), steps=24, points=3, steps_per_point=4, world=ONE)
     assert [p["step"] for p in points] == [4, 14, 24]
@@ -349,7 +349,7 @@ def test_measure_noise_scale_points_and_summary():
 def test_gns_command_on_mnist1d(tmp_path, capsys):
     import json
 
-    from bigbatch.gns_probe import main
+    from bigbatch.cli.gns import main
 
     out = tmp_path / "gns.json"
     rc = main(["--task-opt", "num_samples=600", "--task-opt", f"cache_dir='{tmp_path}'",

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from bigbatch.adascale import AdaScale, gain
+from bigbatch.adaptive.adascale import AdaScale, gain
+from bigbatch.adaptive.gns import GradientNoiseScale, NoiseEstimate
 from bigbatch.errors import ConfigError
-from bigbatch.gns import GradientNoiseScale, NoiseEstimate
 
 
 def _through_torch_save(state):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bigbatch.adasum import adasum, adasum_allreduce, adasum_hook, adasum_reduce
+from bigbatch.adaptive.adasum import adasum, adasum_allreduce, adasum_hook, adasum_reduce
 
 
 def _by_hand(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

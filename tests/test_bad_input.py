@@ -1,7 +1,7 @@
 """Bad input to `bigbatch train`: exit code 2, one line naming the problem, no traceback,
 and the output directory exactly as it was (here: it holds a previous run).
 
-Runs in-process through `bigbatch.cli.main` with `--nproc 1` (no launcher), so the whole
+Runs in-process through `bigbatch.cli.main.main` with `--nproc 1` (no launcher), so the whole
 table takes seconds.
 """
 
@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from bigbatch.cli import main
+from bigbatch.cli.main import main
 
 TINY = ["--nproc", "1", "--no-progress", "--no-tensorboard", "--task-opt", "num_samples=1000",
         "--set", "batch.global_batch_size=64", "--set", "batch.base_batch_size=32",

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from bigbatch.checkpoint import (
+from bigbatch.errors import ConfigError
+from bigbatch.tasks.sampler import GlobalBatchSampler
+from bigbatch.train.checkpoint import (
     atomic_save,
     checkpoint_path,
     latest_checkpoint,
@@ -16,8 +18,6 @@ from bigbatch.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from bigbatch.errors import ConfigError
-from bigbatch.tasks.sampler import GlobalBatchSampler
 
 
 class _Unpicklable:
@@ -138,7 +138,7 @@ def test_manifest_records_size_and_checksum(tmp_path):
     import hashlib
     import json
 
-    from bigbatch.checkpoint import manifest_path, verify_checkpoint
+    from bigbatch.train.checkpoint import manifest_path, verify_checkpoint
 
     paths = _three_checkpoints(tmp_path, keep=2)
     assert [p.name for p in paths] == ["step-000000010.pt", "step-000000015.pt"]
@@ -170,7 +170,7 @@ def test_corrupt_latest_falls_back_to_previous_with_one_warning(tmp_path, caplog
 
 
 def test_payload_without_manifest_is_checked_by_its_zip_crcs(tmp_path):
-    from bigbatch.checkpoint import manifest_path
+    from bigbatch.train.checkpoint import manifest_path
 
     paths = _three_checkpoints(tmp_path)
     manifest_path(paths[-1]).unlink()  # killed between the payload and the manifest rename
@@ -185,7 +185,7 @@ def test_payload_without_manifest_is_checked_by_its_zip_crcs(tmp_path):
 def test_save_failing_midway_keeps_previous_checkpoint(tmp_path, monkeypatch):
     import errno
 
-    from bigbatch.checkpoint import CheckpointSaveError
+    from bigbatch.train.checkpoint import CheckpointSaveError
 
     paths = _three_checkpoints(tmp_path, keep=2)
     before = {p.name: p.read_bytes() for p in (tmp_path / "checkpoints").iterdir()}
@@ -211,7 +211,7 @@ def test_save_failing_midway_keeps_previous_checkpoint(tmp_path, monkeypatch):
 
 
 def test_cli_resume_skips_a_corrupt_latest_checkpoint(tmp_path, capsys, caplog, monkeypatch):
-    from bigbatch.cli import main
+    from bigbatch.cli.main import main
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path.parent / "xdg-cache-ckpt"))
     for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from bigbatch.cli import main
-from bigbatch.strategy import Strategy
+from bigbatch.cli.main import main
+from bigbatch.config.strategy import Strategy
 
 DATA = Path(__file__).parent / "data" / "run_v0_1"
 

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from bigbatch.strategy import Strategy
+from bigbatch.config.strategy import Strategy
 from bigbatch.tasks import get_task
-from bigbatch.train import TrainConfig, train
+from bigbatch.train.trainer import TrainConfig, train
 from tests._dist import run_workers
 
 SMALL = {"num_samples": 1000}  # 800 train samples: 12 steps of 64 per epoch

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bigbatch.distributed import World
-from bigbatch.engine import prepare
+from bigbatch.config.strategy import Strategy
+from bigbatch.engine.run import prepare
 from bigbatch.errors import ConfigError
-from bigbatch.strategy import Strategy
+from bigbatch.parallel.world import World
 
 D_IN, D_HID, N_CLS, T = 8, 16, 4, 6
 ONE = World()
@@ -399,7 +399,7 @@ def one_line_error(fn, *match):
 def test_bad_configs_are_one_line_errors(monkeypatch):
     one_line_error(lambda: prepare(make_model(), strategy(recompute={"checkpoints": ["bdy"]}),
                                    total_steps=3, world=ONE), "recompute.checkpoints", "'bdy'", "'body'")
-    monkeypatch.setitem(sys.modules, "bigbatch.adasum", None)  # as if the module were absent
+    monkeypatch.setitem(sys.modules, "bigbatch.adaptive.adasum", None)  # as if the module were absent
     one_line_error(lambda: prepare(make_model(), strategy(data_parallel={"reduce": "adasum"}),
                                    total_steps=3, world=ONE), "adasum")
     one_line_error(lambda: prepare(make_model(), strategy(batch={"warmup_steps": 0, "warmup_epochs": 1.0}),
@@ -431,7 +431,7 @@ def test_world_from_env(monkeypatch):
     one_line_error(lambda: World.from_env(device="cpu"), "WORLD_SIZE")
     monkeypatch.setenv("WORLD_SIZE", "2")
     one_line_error(lambda: World.from_env(device="cpu"), "rank=3")
-    from bigbatch.distributed import resolve_backend
+    from bigbatch.parallel.world import resolve_backend
 
     one_line_error(lambda: resolve_backend("nccl", torch.device("cpu")), "nccl")
     assert resolve_backend("auto", torch.device("cpu")) == "gloo"

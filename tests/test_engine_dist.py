@@ -24,7 +24,7 @@ from test_engine import (
     train,
 )
 
-from bigbatch.engine import prepare
+from bigbatch.engine.run import prepare
 
 W, STEPS = 2, 3
 
@@ -94,7 +94,7 @@ def _worker() -> dict:
     out["norms"] = norms[0]
     out["comm_calls"] = run._comm.calls
 
-    # data_parallel.reduce = "adasum": bigbatch.adasum's DDP hook combines the gradients
+    # data_parallel.reduce = "adasum": bigbatch.adaptive.adasum's DDP hook combines the gradients
     run = prepare(make_model(), strategy("sgd", micro=128, data_parallel={"reduce": "adasum"}),
                   total_steps=STEPS)
     grads = []
@@ -168,7 +168,7 @@ def test_local_and_global_grad_norms(results):
 
 
 def test_adasum_reduce_uses_the_adasum_hook(results):
-    from bigbatch.adasum import adasum_reduce
+    from bigbatch.adaptive.adasum import adasum_reduce
 
     x, y = make_data(steps=STEPS)
     local = []

@@ -21,8 +21,7 @@ import torch
 import torch.distributed as dist
 
 from bigbatch import gns
-from bigbatch.errors import ConfigError
-from bigbatch.gns import (
+from bigbatch.adaptive.gns import (
     ConsecutiveSteps,
     GradientNoiseScale,
     NoiseEstimate,
@@ -31,6 +30,7 @@ from bigbatch.gns import (
     merge_sq_norms,
     sq_norm,
 )
+from bigbatch.errors import ConfigError
 
 D, NOISE = 6, 0.7
 

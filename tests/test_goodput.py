@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from bigbatch.adascale import AdaScale
-from bigbatch.errors import ConfigError
-from bigbatch.goodput import (
+from bigbatch.adaptive.adascale import AdaScale
+from bigbatch.adaptive.goodput import (
     GoodputTuner,
     ThroughputParams,
     efficiency,
@@ -18,6 +17,7 @@ from bigbatch.goodput import (
     goodput,
     step_time,
 )
+from bigbatch.errors import ConfigError
 
 TRUE = ThroughputParams(alpha_c=0.02, beta_c=0.004, alpha_n=0.05, beta_n=0.01, gamma=2.5)
 

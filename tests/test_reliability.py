@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from bigbatch.checkpoint import latest_checkpoint, load_checkpoint
-from bigbatch.cli import main
-from bigbatch.strategy import Strategy
-from bigbatch.train import NonFiniteLossError, TrainConfig, train
+from bigbatch.cli.main import main
+from bigbatch.config.strategy import Strategy
+from bigbatch.train.checkpoint import latest_checkpoint, load_checkpoint
+from bigbatch.train.trainer import NonFiniteLossError, TrainConfig, train
 
-T = importlib.import_module("bigbatch.train")  # the module (bigbatch.train is also a function)
+T = importlib.import_module("bigbatch.train.trainer")  # the module (bigbatch.train.trainer is also a function)
 
 SMALL = {"num_samples": 1000}  # 800 train samples: 12 steps of 64 per epoch
 STRATEGY = """
@@ -364,7 +364,7 @@ def test_stopped_worker_under_torchrun_is_restarted_and_ends_with_the_same_weigh
 
 
 def test_timeout_flag_sets_the_collective_and_rendezvous_timeouts(tmp_path):
-    from bigbatch.cli import _launcher_argv, build_parser, resolve
+    from bigbatch.cli.main import _launcher_argv, build_parser, resolve
 
     argv = ["train", "--out", str(tmp_path), "--nproc", "2", "--timeout", "42.5"]
     args = build_parser("train").parse_args(argv)

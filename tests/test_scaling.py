@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from bigbatch.scaling import RULES, scale_factor, scale_lr
+from bigbatch.config.scaling import RULES, scale_factor, scale_lr
 
 
 @pytest.mark.parametrize(

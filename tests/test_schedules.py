@@ -4,9 +4,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from bigbatch.config.schedules import Schedule, lr_factor, warmup_start_lr, warmup_steps_of
+from bigbatch.config.strategy import Strategy
 from bigbatch.errors import ConfigError
-from bigbatch.schedules import Schedule, lr_factor, warmup_start_lr, warmup_steps_of
-from bigbatch.strategy import Strategy
 
 
 def values(schedule, n):

@@ -3,8 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from bigbatch.errors import ConfigError
-from bigbatch.strategy import (
+from bigbatch.config.strategy import (
     AmpConfig,
     BatchConfig,
     BatchPlan,
@@ -12,6 +11,7 @@ from bigbatch.strategy import (
     RecomputeConfig,
     Strategy,
 )
+from bigbatch.errors import ConfigError
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

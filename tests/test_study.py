@@ -8,10 +8,11 @@ import sys
 import pytest
 import torch
 
-import bigbatch.study as S
-from bigbatch._report import _claim_accuracy, _claim_scaling, _fit_mccandlish, steps_to_target
+import bigbatch.cli.study as C
+import bigbatch.study.sweep as S
 from bigbatch.errors import ConfigError
-from bigbatch.study import StudyConfig, run_study
+from bigbatch.study.report import _claim_accuracy, _claim_scaling, _fit_mccandlish, steps_to_target
+from bigbatch.study.sweep import StudyConfig, run_study
 
 TINY = dict(task="mnist1d", model="mlp", task_options={"num_samples": 1000}, epochs=1,
             batches=[32, 64], strategies=["sgd", "lars"], micro_batch_size=32, progress=False)
@@ -44,7 +45,7 @@ def tiny(tmp_path_factory):
 
 def _counting(monkeypatch):
     """Record which cells train (and skip the figures: these tests are about the cells)."""
-    monkeypatch.setattr("bigbatch._report.plot_all", lambda results, out: {})
+    monkeypatch.setattr("bigbatch.study.report.plot_all", lambda results, out: {})
     calls = []
     original = S._run_in_process
 
@@ -157,7 +158,7 @@ def test_claims_are_computed_from_the_numbers():
 
 def _args(*argv):
     parser = argparse.ArgumentParser()
-    S.add_study_arguments(parser)
+    C.add_study_arguments(parser)
     return parser.parse_args(list(argv))
 
 
@@ -169,8 +170,8 @@ def _args(*argv):
 ])
 def test_bad_flags_give_one_line_errors(argv, message, capsys):
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace("[", r"\[")):
-        S.config_from_args(_args(*argv))
-    assert S.run_study_command(_args(*argv, "--out", "/nonexistent/x")) == 2
+        C.config_from_args(_args(*argv))
+    assert C.run_study_command(_args(*argv, "--out", "/nonexistent/x")) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("bigbatch study: error: ")
 
@@ -186,15 +187,15 @@ def test_config_file_then_flags(tmp_path):
     path = tmp_path / "study.toml"
     path.write_text('[study]\ntask = "mnist1d"\nbatches = [64, 256]\nepochs = 3\n'
                     '[set]\nlars = ["lars.lars_coeff=0.02"]\nall = ["batch.decay=\\"poly\\""]\n')
-    cfg = S.config_from_args(_args("--config", str(path), "--epochs", "5",
+    cfg = C.config_from_args(_args("--config", str(path), "--epochs", "5",
                                    "--set", "sgd:optimizer.nesterov=true"))
     assert cfg.batches == [64, 256] and cfg.epochs == 5
     assert cfg.overrides == {"lars": ["lars.lars_coeff=0.02"], "all": ['batch.decay="poly"'],
                              "sgd": ["optimizer.nesterov=true"]}
     path.write_text("[study]\nbatch = [64]\n")
     with pytest.raises(ConfigError, match="unknown key study.batch"):
-        S.config_from_args(_args("--config", str(path)))
-    quick = S.config_from_args(_args("--quick", "--strategies", "sgd"))
+        C.config_from_args(_args("--config", str(path)))
+    quick = C.config_from_args(_args("--quick", "--strategies", "sgd"))
     assert quick.strategies == ["sgd"] and quick.batches == S.QUICK["mnist1d"]["batches"]
 
 
@@ -235,7 +236,7 @@ def test_launched_cells_use_the_train_cli(tmp_path):
 @pytest.mark.timeout(900)
 def test_quick_study_end_to_end(tmp_path):
     out = tmp_path / "quick"
-    proc = subprocess.run([sys.executable, "-m", "bigbatch.study", "--quick", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "bigbatch.cli.study", "--quick", "--out", str(out),
                            "--no-progress"], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
@@ -244,7 +245,7 @@ def test_quick_study_end_to_end(tmp_path):
 
 
 def test_critical_batch_prefers_well_trained_unbiased_cells():
-    from bigbatch._report import _critical_batch
+    from bigbatch.study.report import _critical_batch
 
     base = {"final": 0.99}
     cells = [{"final": 0.99, "noise_scale": 5000.0, "noise_scale_biased": True},
@@ -258,7 +259,7 @@ def test_critical_batch_prefers_well_trained_unbiased_cells():
 
 
 def test_noise_curve_is_a_ratio_of_rolling_means():
-    from bigbatch._report_plots import smoothed_noise
+    from bigbatch.study.plots import smoothed_noise
 
     # 4 log lines per epoch -> a window of 2 lines.
     series = [[i, i / 4, 0.0, False, tr, g] for i, (tr, g) in

@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-import bigbatch.train as T
-from bigbatch.cli import _launcher_argv, _strip_launch_flags, build_parser, main, resolve
-from bigbatch.strategy import Strategy
+import bigbatch.train.trainer as T
+from bigbatch.cli.main import _launcher_argv, _strip_launch_flags, build_parser, main, resolve
+from bigbatch.config.strategy import Strategy
 from bigbatch.tasks import get_task
-from bigbatch.train import TrainConfig, train
+from bigbatch.train.trainer import TrainConfig, train
 from tests._dist import run_workers
 
 SMALL = {"num_samples": 1000}  # 800 train / 200 test samples
@@ -267,7 +267,7 @@ def test_two_workers_equal_one_worker_with_gradient_merge(tmp_path):
 
 
 def test_closing_line_names_the_small_batch_baseline():
-    from bigbatch._progress import closing_line, reference
+    from bigbatch.train.progress import closing_line, reference
 
     recipe = get_task("mnist1d", **SMALL).recipe("cnn")
     s = {"metric": "accuracy", "test_accuracy": 0.99, "epochs": 16.0, "global_batch_size": 4096,

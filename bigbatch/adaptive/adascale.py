@@ -8,7 +8,7 @@ learning rate with the *gain*::
 
 where ``mu^2 = |G|^2`` is the true gradient's squared norm and ``sigma^2`` the variance of
 the *scale-1* gradient, i.e. ``tr(Sigma) / B0`` with ``Sigma`` the per-example covariance
-(`bigbatch.gns` estimates both). Pure noise (``mu = 0``) gives ``r = S``, the linear rule;
+(`bigbatch.adaptive.gns` estimates both). Pure noise (``mu = 0``) gives ``r = S``, the linear rule;
 no noise (``sigma = 0``) gives ``r = 1``: a bigger batch buys nothing.
 
 Each step advances a scale-invariant progress counter by ``r``: ``S``-scale training that
@@ -22,11 +22,11 @@ when progress reaches the scale-1 step count (`AdaScale.done`). Per optimizer st
 
 AdamScale (Adam/LAMB, used by Pollux/AdaptDL): the LR multiplier is ``r ** 0.5`` because
 Adam's update already scales with the gradient's inverse root-variance; pass ``power=0.5``
-and feed statistics of the preconditioned gradient (`bigbatch.gns.adam_sq_norm`).
+and feed statistics of the preconditioned gradient (`bigbatch.adaptive.gns.adam_sq_norm`).
 Progress still advances by ``r``.
 
 Note ``r / S = (B_noise + B0) / (B_noise + B)`` with ``B_noise = tr(Sigma) / |G|^2``:
-Pollux's statistical efficiency (`bigbatch.goodput.efficiency`).
+Pollux's statistical efficiency (`bigbatch.adaptive.goodput.efficiency`).
 """
 
 import math

@@ -26,7 +26,7 @@ Where the two norms come from (the engine picks one; all give a `NormPair`):
 For Adam/LAMB the noise scale that matters is that of the preconditioned gradient
 ``g / (sqrt(v_hat) + eps)``; `adam_sq_norm` measures it from the optimizer's ``exp_avg_sq``.
 
-The collectors and `NormPair` live in `bigbatch._gns_norms` and are re-exported here.
+The collectors and `NormPair` live in `bigbatch.adaptive.norms` and are re-exported here.
 """
 
 import math
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from bigbatch._gns_norms import (
+from bigbatch.adaptive.norms import (
     ConsecutiveSteps,
     LocalSqNorm,
     NormPair,

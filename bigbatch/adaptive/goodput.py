@@ -32,7 +32,7 @@ the fraction of a base-batch step's progress that each example still makes at ba
 only when the best predicted goodput beats the current one by more than ``threshold``.
 Every suggestion carries a human-readable ``reason``.
 
-The throughput model and its fit live in `bigbatch._throughput` and are re-exported here.
+The throughput model and its fit live in `bigbatch.adaptive.throughput` and are re-exported here.
 """
 
 import math
@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from bigbatch._throughput import ThroughputParams, fit_throughput, step_time
+from bigbatch.adaptive.throughput import ThroughputParams, fit_throughput, step_time
 from bigbatch.errors import ConfigError
 
 __all__ = [

@@ -1,6 +1,6 @@
-"""Where the two squared norms of `bigbatch.gns` come from: the collectors and `NormPair`.
+"""Where the two squared norms of `bigbatch.adaptive.gns` come from: the collectors and `NormPair`.
 
-Everything here is re-exported by `bigbatch.gns`, whose docstring says which collector
+Everything here is re-exported by `bigbatch.adaptive.gns`, whose docstring says which collector
 fits which setup; this module holds the torch (and ``torch.distributed``) side, so the
 estimators there stay pure arithmetic on floats.
 """
@@ -25,7 +25,7 @@ __all__ = [
 
 
 class NormPair(NamedTuple):
-    """Squared norms of mean gradients at two batch sizes: the input of `bigbatch.gns.estimate`."""
+    """Squared norms of mean gradients at two batch sizes: the input of `bigbatch.adaptive.gns.estimate`."""
 
     small_sq_norm: float
     big_sq_norm: float

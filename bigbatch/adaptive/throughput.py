@@ -1,9 +1,9 @@
-"""The step-time model of `bigbatch.goodput` and its fit to measured step times.
+"""The step-time model of `bigbatch.adaptive.goodput` and its fit to measured step times.
 
 ``T(m, k, n) = (k - 1) T_grad + (T_grad^gamma + T_sync^gamma)^(1 / gamma)`` with
 ``T_grad = alpha_c + beta_c m`` and ``T_sync = alpha_n + beta_n (n - 1)`` (Pollux eq.
-9-11); `bigbatch.goodput`'s docstring says how the fit fixes what the samples cannot tell
-apart. Everything public here is re-exported by `bigbatch.goodput`.
+9-11); `bigbatch.adaptive.goodput`'s docstring says how the fit fixes what the samples cannot tell
+apart. Everything public here is re-exported by `bigbatch.adaptive.goodput`.
 """
 
 import math

@@ -38,3 +38,26 @@ def positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
+
+
+def literal(raw: str):
+    """A TOML literal (`5000`, `0.1`, `true`, `"x"`), or else the bare word as a string."""
+    import tomllib
+
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def task_options(items: list[str]) -> dict:
+    """`--task-opt key=value ...` as a dict of TOML literals; ConfigError names a bad item."""
+    from bigbatch.errors import ConfigError
+
+    options = {}
+    for item in items:
+        key, eq, raw = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"--task-opt {item!r} must look like key=value")
+        options[key.strip()] = literal(raw.strip())
+    return options

@@ -1,19 +1,33 @@
-"""Flags and printed output of `bigbatch gns` (the measurement is `bigbatch.gns_probe`).
+"""`bigbatch gns`: its flags, the relaunch through torchrun, and the printed report.
 
-Re-exported by `bigbatch.gns_probe`, which the CLI and ``python -m bigbatch.gns_probe``
-use; nothing here imports torch.
+The measurement itself is `bigbatch.study.noise_scale`. With `--nproc N` outside
+torchrun the command relaunches itself as ``python -m bigbatch.cli.gns`` under
+``torch.distributed.run``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
-from collections.abc import Sequence
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
+from bigbatch.cli.argtypes import task_options
 from bigbatch.errors import ConfigError
+from bigbatch.parallel.world import World, init_distributed, teardown
+from bigbatch.study.noise_scale import (
+    critical_batch,
+    default_strategy,
+    format_report,
+    load_task,
+    measure_noise_scale,
+)
 
-__all__ = ["GNS_DESCRIPTION", "GNS_HELP", "add_gns_arguments", "format_report"]
+__all__ = ["GNS_DESCRIPTION", "GNS_HELP", "add_gns_arguments", "main", "run_gns_command"]
 
 GNS_HELP = "measure a task's gradient noise scale (critical batch) over training"
 GNS_DESCRIPTION = (
@@ -21,38 +35,6 @@ GNS_DESCRIPTION = (
     "a few points of training; prints each point and the critical-batch estimate with its "
     "uncertainty. Default strategy: the task's small-batch recipe with gradient merge."
 )
-
-
-def _fmt(v: float, spec: str = ".4g") -> str:
-    return format(v, spec) if math.isfinite(v) else ("inf" if v == math.inf else "n/a")
-
-
-def _point_line(p: dict[str, Any]) -> str:
-    return (f"step {p['step']:>6} (epoch {p['epoch']:.2f}): loss {p['loss']:.4f}  "
-            f"B_simple {_fmt(p['b_simple'])} +- {_fmt(p['stderr'], '.2g')} "
-            f"({p['estimates']} steps)")
-
-
-def format_report(points: Sequence[dict[str, Any]], summary: dict[str, Any]) -> str:
-    """The table of points and the critical-batch line, as `bigbatch gns` prints them."""
-    head = f"{'step':>7} {'epoch':>6} {'loss':>8} {'B_simple':>10} {'stderr':>9} " \
-           f"{'|G|^2':>10} {'tr(Sigma)':>10}"
-    lines = [head, "-" * len(head)]
-    for p in points:
-        lines.append(f"{p['step']:>7} {p['epoch']:>6.2f} {p['loss']:>8.4f} "
-                     f"{_fmt(p['b_simple']):>10} {_fmt(p['stderr'], '.3g'):>9} "
-                     f"{_fmt(p['sq_norm'], '.3g'):>10} {_fmt(p['trace'], '.3g'):>10}")
-    s = summary
-    line = (f"critical batch (B_simple at step {s['step']}): {_fmt(s['b_simple'])} "
-            f"+- {_fmt(s['stderr'], '.2g')}")
-    if math.isfinite(s["low"]):
-        line += f" (95%: {_fmt(s['low'])} to {_fmt(s['high'])})"
-    line += (f"; over training {_fmt(s['min_over_training'])} to "
-             f"{_fmt(s['max_over_training'])} items per batch")
-    lines.append(line)
-    if s["biased"]:
-        lines.append("note: measured from consecutive steps (one worker, no merge): biased")
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- command line
@@ -81,21 +63,6 @@ def add_gns_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
-def _options(items: Sequence[str]) -> dict[str, Any]:
-    import tomllib
-
-    out = {}
-    for item in items:
-        key, eq, raw = item.partition("=")
-        if not eq or not key.strip():
-            raise ConfigError(f"--task-opt {item!r} must look like key=value")
-        try:
-            out[key.strip()] = tomllib.loads(f"v = {raw.strip()}")["v"]
-        except tomllib.TOMLDecodeError:
-            out[key.strip()] = raw.strip()
-    return out
-
-
 def _argv_of(args: argparse.Namespace) -> list[str]:
     """`args` back as flags, for the workers a launch starts (without --nproc)."""
     argv: list[str] = []
@@ -119,3 +86,82 @@ def _jsonable(v: Any) -> Any:
     if isinstance(v, list | tuple):
         return [_jsonable(x) for x in v]
     return v
+
+
+# ---------------------------------------------------------------- command line
+
+
+def run_gns_command(args: argparse.Namespace) -> int:
+    """`bigbatch gns`: measure, print the table and the critical batch; returns the exit code.
+
+    With `--nproc N > 1` outside torchrun it relaunches itself through
+    `python -m torch.distributed.run --standalone`. Raises ConfigError on user mistakes.
+    """
+    from bigbatch.config.strategy import Strategy
+    from bigbatch.tasks import get_task
+
+    for name, low in (("points", 1), ("steps_per_point", 1), ("nproc", 1), ("steps", 1)):
+        value = getattr(args, name, None)
+        if value is not None and value < low:
+            raise ConfigError(f"--{name.replace('_', '-')}={value} is out of range; allowed: >= {low}")
+    if getattr(args, "epochs", None) is not None and not args.epochs > 0:
+        raise ConfigError(f"--epochs={args.epochs} is out of range; allowed: > 0")
+    options = task_options(getattr(args, "task_options", []) or [])
+    launched = "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    strategy = None
+    if args.config is not None:
+        strategy = Strategy.from_toml(Path(args.config))
+    if strategy is not None or args.overrides:
+        if strategy is None:
+            strategy = default_strategy(get_task(args.task, **options), args.model,
+                                        int(os.environ.get("WORLD_SIZE", args.nproc or 1)))
+        strategy = strategy.with_overrides(args.overrides)
+    if (args.nproc or 1) > 1 and not launched:
+        task = get_task(args.task, **options)  # fills the data cache once, before the workers
+        task.check_model(args.model)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(args.nproc), "-m", "bigbatch.cli.gns", *_argv_of(args)]
+        try:
+            return subprocess.call(cmd)
+        except KeyboardInterrupt:
+            return 130
+    world = World.from_env()
+    init_distributed(getattr(strategy, "data_parallel", None), world)
+    try:
+        task = load_task(args.task, options, world)
+        say = print if world.is_main else None
+        if say is not None:
+            say(f"bigbatch gns: {task.name} ({task.check_model(args.model)}), "
+                f"{world.world_size} worker(s)")
+        points = measure_noise_scale(task, strategy, model=args.model, steps=args.steps,
+                                     epochs=args.epochs, points=args.points,
+                                     steps_per_point=args.steps_per_point, seed=args.seed,
+                                     world=world, log=say)
+        summary = critical_batch(points)
+        if world.is_main:
+            print(format_report(points, summary))
+            if args.json:
+                Path(args.json).write_text(json.dumps(_jsonable(
+                    {"task": task.name, "model": task.check_model(args.model),
+                     "world_size": world.world_size, "points": points,
+                     "critical_batch": summary}), indent=2) + "\n")
+    finally:
+        teardown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bigbatch.cli.gns ...`: the same as `bigbatch gns ...`."""
+    parser = add_gns_arguments(argparse.ArgumentParser(prog="bigbatch gns",
+                                                       description=GNS_DESCRIPTION))
+    args = parser.parse_args(argv)
+    try:
+        return run_gns_command(args)
+    except ConfigError as e:
+        print(f"bigbatch gns: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,10 +17,13 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from bigbatch._argtypes import nonneg_int as _nonneg_int
-from bigbatch._argtypes import positive_float as _positive_float
-from bigbatch._argtypes import positive_int as _positive_int
-from bigbatch._preflight import preflight
+from bigbatch.cli.argtypes import nonneg_int as _nonneg_int
+from bigbatch.cli.argtypes import positive_float as _positive_float
+from bigbatch.cli.argtypes import positive_int as _positive_int
+from bigbatch.cli.argtypes import task_options
+from bigbatch.cli.gns import GNS_DESCRIPTION, GNS_HELP
+from bigbatch.cli.preflight import preflight
+from bigbatch.cli.study import STUDY_DESCRIPTION, STUDY_HELP
 from bigbatch.errors import ConfigError
 
 EXIT_USAGE = 2
@@ -135,42 +138,17 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     launch.add_argument("--rdzv-id", help="job id for the rendezvous (torchrun)")
     launch.add_argument("--max-restarts", type=_nonneg_int,
                         help="restarts of the worker group on failure (torchrun)")
-    study = sub.add_parser(
-        "study", help="batch-size scaling study and its report",
-        description="Train every (strategy, global batch) cell at a fixed epoch budget and "
-        "write a report: table, figures, noise scale.")
-    gns = sub.add_parser(
-        "gns", help="measure the gradient noise scale (critical batch) of a task",
-        description="Measure the gradient noise scale over training and the critical batch.")
+    study = sub.add_parser("study", help=STUDY_HELP, description=STUDY_DESCRIPTION)
+    gns = sub.add_parser("gns", help=GNS_HELP, description=GNS_DESCRIPTION)
     if command == "study":
-        from bigbatch._study_cli import add_study_arguments
+        from bigbatch.cli.study import add_study_arguments
 
         add_study_arguments(study)
     elif command == "gns":
-        from bigbatch.gns_probe import add_gns_arguments
+        from bigbatch.cli.gns import add_gns_arguments
 
         add_gns_arguments(gns)
     return parser
-
-
-def _literal(raw: str):
-    """A TOML literal (`5000`, `0.1`, `true`, `"x"`), or else the bare word as a string."""
-    import tomllib
-
-    try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw
-
-
-def _parse_options(items: list[str]) -> dict:
-    options = {}
-    for item in items:
-        key, eq, raw = item.partition("=")
-        if not eq or not key.strip():
-            raise ConfigError(f"--task-opt {item!r} must look like key=value")
-        options[key.strip()] = _literal(raw.strip())
-    return options
 
 
 def under_launcher() -> bool:
@@ -181,9 +159,9 @@ def under_launcher() -> bool:
 
 def resolve(args: argparse.Namespace):
     """(TrainConfig, Strategy) from the flags; on --resume, the saved run fills what is not given."""
-    from bigbatch.strategy import Strategy
+    from bigbatch.config.strategy import Strategy
     from bigbatch.tasks import task_class
-    from bigbatch.train import RUN_FILE, TrainConfig
+    from bigbatch.train.trainer import RUN_FILE, TrainConfig
 
     out = Path(args.out or "runs/train")
     resume = args.resume or (
@@ -193,7 +171,7 @@ def resolve(args: argparse.Namespace):
     )
     saved: dict = {}
     if resume:
-        from bigbatch.checkpoint import latest_checkpoint
+        from bigbatch.train.checkpoint import latest_checkpoint
 
         if latest_checkpoint(out) is None:
             raise ConfigError(f"--resume: no checkpoint in {out / 'checkpoints'}")
@@ -213,7 +191,7 @@ def resolve(args: argparse.Namespace):
         fields.pop("steps", None)
     fields.update({k: v for k, v in given.items() if v is not None})
     if args.task_options:
-        fields["task_options"] = _parse_options(args.task_options)
+        fields["task_options"] = task_options(args.task_options)
     fields.update(out=str(out), resume=resume, progress=not args.no_progress)
     if args.no_tensorboard:
         fields["tensorboard"] = False
@@ -305,13 +283,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     _setup_logging()
     if args.command == "study":
-        from bigbatch.study import run_study_command
+        from bigbatch.cli.study import run_study_command
 
         return run_study_command(args)
     strategy = None
     try:
         if args.command == "gns":
-            from bigbatch.gns_probe import run_gns_command
+            from bigbatch.cli.gns import run_gns_command
 
             return run_gns_command(args)
         config, strategy = resolve(args)
@@ -321,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             args.nproc > 1 or args.nnodes is not None or args.rdzv_endpoint is not None)
         if launching:
             return _launch(args, argv, config, strategy)
-        from bigbatch.train import train
+        from bigbatch.train.trainer import train
 
         world_size = int(os.environ.get("WORLD_SIZE", "1") or 1) if under_launcher() else 1
         preflight(config, strategy, world_size)
@@ -331,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bigbatch {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except RuntimeError as e:  # exit 1: the run failed, not its input
-        from bigbatch.distributed import is_peer_failure
-        from bigbatch.train import NonFiniteLossError
+        from bigbatch.parallel.world import is_peer_failure
+        from bigbatch.train.trainer import NonFiniteLossError
 
         if isinstance(e, NonFiniteLossError):
             print(f"bigbatch {args.command}: error: {e}", file=sys.stderr)
@@ -344,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return 1
     except OSError as e:
-        from bigbatch.checkpoint import CheckpointSaveError
+        from bigbatch.train.checkpoint import CheckpointSaveError
 
         if not isinstance(e, CheckpointSaveError):
             raise

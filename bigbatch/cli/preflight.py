@@ -1,5 +1,5 @@
 """`bigbatch train`'s preflight: every user mistake found before a worker starts or the
-output directory is touched (see `bigbatch.cli`)."""
+output directory is touched (see `bigbatch.cli.main`)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def preflight(config, strategy, world_size: int | None):
     output path, task and its options, model, batch arithmetic and schedule (when the world
     size is known), and on resume the checkpoint's task, model and data. Returns the task."""
     from bigbatch.tasks import get_task
-    from bigbatch.train import plan_run
+    from bigbatch.train.trainer import plan_run
 
     out = Path(config.out)
     if out.exists() and not out.is_dir():
@@ -54,7 +54,7 @@ def preflight(config, strategy, world_size: int | None):
     _check_option_types(config.task, config.task_options)
     path = ckpt = None
     if config.resume:  # before the data: a mismatch must not generate a data set first
-        from bigbatch.checkpoint import latest_checkpoint, load_checkpoint
+        from bigbatch.train.checkpoint import latest_checkpoint, load_checkpoint
 
         path = latest_checkpoint(out)
         if path is None:
@@ -75,7 +75,7 @@ def preflight(config, strategy, world_size: int | None):
         _check_checkpoint(config, path, ckpt, model)
     recompute = strategy.recompute
     if recompute.enable and recompute.checkpoints:  # module names exist (throwaway model)
-        from bigbatch._engine_setup import apply_recompute
+        from bigbatch.engine.optimizer import apply_recompute
 
         apply_recompute(model, list(recompute.checkpoints))
     return task

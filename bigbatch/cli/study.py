@@ -1,23 +1,32 @@
-"""Flags of `bigbatch study` and the StudyConfig they make (defaults < --quick < --config < flags)."""
+"""`bigbatch study`: its flags, the StudyConfig they make (defaults < --quick < --config <
+flags), and the command."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tomllib
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from bigbatch._argtypes import number as _float
-from bigbatch._argtypes import positive_int as _positive_int
+from bigbatch.cli.argtypes import number as _float
+from bigbatch.cli.argtypes import positive_int as _positive_int
+from bigbatch.cli.argtypes import task_options
 from bigbatch.errors import ConfigError
+from bigbatch.study.sweep import run_study
 
 __all__ = ["add_study_arguments", "config_from_args", "parse_batches", "parse_overrides",
            "parse_strategies"]
 
 
+STUDY_HELP = "batch-size scaling study and its report"
+STUDY_DESCRIPTION = ("Train every (strategy, global batch) cell at a fixed epoch budget and "
+                     "write a report: table, figures, noise scale.")
+
+
 def _strategy_names() -> tuple[str, ...]:
-    from bigbatch.study import STRATEGIES
+    from bigbatch.study.rules import STRATEGIES
 
     return STRATEGIES
 
@@ -94,7 +103,7 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> Any:
     """The StudyConfig of the flags: defaults < --quick preset < --config file < flags."""
-    from bigbatch.study import QUICK, StudyConfig
+    from bigbatch.study.config import QUICK, StudyConfig
 
     values: dict[str, Any] = {}
     task = args.task
@@ -124,9 +133,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
     if overrides:
         values["overrides"] = overrides
     if args.task_options:
-        from bigbatch.cli import _parse_options
-
-        values["task_options"] = _parse_options(args.task_options)
+        values["task_options"] = task_options(args.task_options)
     given = {"task": args.task, "model": args.model, "epochs": args.epochs, "target": args.target,
              "tolerance": args.tolerance, "micro_batch_size": args.micro_batch_size,
              "warmup_epochs": args.warmup_epochs, "evals_per_epoch": args.evals_per_epoch,
@@ -142,3 +149,35 @@ def config_from_args(args: argparse.Namespace) -> Any:
         return StudyConfig(**values)
     except TypeError as e:  # a wrongly typed value from the file
         raise ConfigError(f"--config: {e}") from None
+
+
+# ----------------------------------------------------------------- command line
+
+
+def run_study_command(args: argparse.Namespace) -> int:
+    """`bigbatch study` after parsing; one-line errors, exit status 2 on user mistakes."""
+    try:
+        config = config_from_args(args)
+        argv = sys.argv[1:]
+        argv = argv if argv[:1] == ["study"] else ["study", *argv]
+        results = run_study(config, run_missing=not args.report_only, argv=argv)
+    except ConfigError as e:
+        print(f"bigbatch study: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("bigbatch study: interrupted (finished cells are kept)", file=sys.stderr)
+        return 130
+    print(f"report: {Path(config.out) / 'report.md'}", file=sys.stderr)
+    failed = [c for c in results["cells"] if c["status"] == "failed"]
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bigbatch.cli.study ...` (the same as `bigbatch study ...`)."""
+    parser = argparse.ArgumentParser(prog="bigbatch study", description=STUDY_DESCRIPTION)
+    add_study_arguments(parser)
+    return run_study_command(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Helpers behind bigbatch.strategy: field checks, key suggestions, the overview table."""
+"""Helpers behind bigbatch.config.strategy: field checks, key suggestions, the overview table."""
 
 import dataclasses
 import difflib

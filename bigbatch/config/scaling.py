@@ -19,7 +19,7 @@ function of the scale ``S = global_batch_size / base_batch_size``:
   often tuned directly at the large batch, and AdaScale supplies its own gain.
 
 Pure functions: no torch state, no config objects. The per-step schedule
-(warmup, decay) lives in :mod:`bigbatch.schedules`.
+(warmup, decay) lives in :mod:`bigbatch.config.schedules`.
 """
 
 import math

@@ -1,6 +1,6 @@
 """The section dataclasses of a Strategy: one per Fleet-style TOML section.
 
-Public through :mod:`bigbatch.strategy`; attribute names are the TOML keys and
+Public through :mod:`bigbatch.config.strategy`; attribute names are the TOML keys and
 each field's metadata holds its validation rules.
 """
 
@@ -9,18 +9,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from bigbatch._strategy_util import check_fields, closest, unknown_key_message
-from bigbatch.elastic import ELASTIC_MODES
+from bigbatch.config.elastic import ELASTIC_MODES
+from bigbatch.config.fields import check_fields, closest, unknown_key_message
+from bigbatch.config.scaling import RULES
+from bigbatch.config.schedules import DECAYS
 from bigbatch.errors import ConfigError
-from bigbatch.scaling import RULES
-from bigbatch.schedules import DECAYS
 
 
 def _f(default: Any, **rules: Any) -> Any:
     """A dataclass field whose metadata holds its validation rules.
 
     Rules: ``choices`` (tuple of allowed strings), ``ge``/``gt``/``le``/``lt``
-    (numeric bounds); see ``bigbatch._strategy_util.check_fields``.
+    (numeric bounds); see ``bigbatch.config.fields.check_fields``.
     """
     return field(default=default, metadata=rules)
 
@@ -73,7 +73,7 @@ class BatchConfig(_Section):
     elastic: str = _f("keep", choices=ELASTIC_MODES)
     """Resuming on another number of workers: keep the global batch (micro batch or k_steps
     adjust), or scale it with the world size (each worker's micro batch and k_steps kept,
-    the peak LR follows `scaling`). See `bigbatch.elastic`."""
+    the peak LR follows `scaling`). See `bigbatch.config.elastic`."""
 
     def _check(self) -> None:
         if self.warmup_steps and self.warmup_epochs:

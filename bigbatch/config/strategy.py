@@ -29,7 +29,15 @@ from typing import Any
 
 import tomli_w
 
-from bigbatch._strategy_sections import (
+from bigbatch.config.fields import (
+    parse_literal,
+    read_toml_source,
+    render_overview,
+    unknown_key_message,
+)
+from bigbatch.config.scaling import scale_lr
+from bigbatch.config.schedules import warmup_start_lr
+from bigbatch.config.sections import (
     KEYS,
     SECTIONS,
     AdaptiveConfig,
@@ -45,15 +53,7 @@ from bigbatch._strategy_sections import (
     section_from_dict,
     unknown_section_message,
 )
-from bigbatch._strategy_util import (
-    parse_literal,
-    read_toml_source,
-    render_overview,
-    unknown_key_message,
-)
 from bigbatch.errors import ConfigError
-from bigbatch.scaling import scale_lr
-from bigbatch.schedules import warmup_start_lr
 
 __all__ = [
     "AdaptiveConfig",

@@ -4,8 +4,8 @@
 into the `Run`: a grad hook (each taken step, after unscale, before the
 optimizer), a step hook (after the step, between steps: batch-size changes)
 and `run.state_objects["adaptive"]` (state_dict and stats). The estimators
-themselves are the pure modules `bigbatch.gns`, `bigbatch.adascale` and
-`bigbatch.goodput`; this file only feeds them.
+themselves are the pure modules `bigbatch.adaptive.gns`, `bigbatch.adaptive.adascale` and
+`bigbatch.adaptive.goodput`; this file only feeds them.
 
 Where the two squared norms of a step come from (only scalars cross the network):
 
@@ -28,15 +28,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from bigbatch._adaptive_norms import install_local_norms, preconditioned_grads
-from bigbatch.adascale import AdaScale
+from bigbatch.adaptive.adascale import AdaScale
+from bigbatch.adaptive.gns import ConsecutiveSteps, GradientNoiseScale, sq_norm
+from bigbatch.adaptive.goodput import GoodputTuner, Suggestion
+from bigbatch.engine.local_norms import install_local_norms, preconditioned_grads
 from bigbatch.errors import ConfigError
-from bigbatch.gns import ConsecutiveSteps, GradientNoiseScale, sq_norm
-from bigbatch.goodput import GoodputTuner, Suggestion
 
 if TYPE_CHECKING:
-    from bigbatch._grad_info import GradInfo
-    from bigbatch.engine import Run
+    from bigbatch.engine.grad_info import GradInfo
+    from bigbatch.engine.protocol import RunLike
 
 __all__ = ["Adaptive", "attach", "check", "schedule_steps"]
 
@@ -125,7 +125,7 @@ class Adaptive:
     `tuner` yourself), `limit_batch_size()`, `decide()`, `stats()`.
     """
 
-    def __init__(self, run: Run) -> None:
+    def __init__(self, run: RunLike) -> None:
         strategy = run.strategy
         a = strategy.adaptive
         self.run = run
@@ -229,7 +229,7 @@ class Adaptive:
                                           "trace": est.trace, "small_batch": small_b,
                                           "big_batch": big_b})
 
-    def on_step(self, run: Run) -> None:
+    def on_step(self, run: RunLike) -> None:
         """Step hook (goodput): record the step time; every `interval_steps`, decide."""
         if self.measure_step_time:
             if self._warm > 0:
@@ -325,7 +325,7 @@ class Adaptive:
         self._warm = 1
 
 
-def attach(run: Run) -> Adaptive:
+def attach(run: RunLike) -> Adaptive:
     """Build the controller for `run.strategy.adaptive` and register its hooks on `run`."""
     ctl = Adaptive(run)
     install_local_norms(run, ctl.preconditioned)

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bigbatch.distributed import all_reduce_sum
+from bigbatch.parallel.world import all_reduce_sum
 
 if TYPE_CHECKING:
-    from bigbatch.engine import Run
+    from bigbatch.engine.protocol import RunLike
 
 __all__ = ["GradInfo", "small_batch_sq_norm", "sq_norm"]
 
@@ -36,7 +36,7 @@ class GradInfo:
     taken (not on fp16 overflow steps). Everything here is scalars or references.
     """
 
-    def __init__(self, run: Run, params: list[torch.Tensor], local_sq_norm: torch.Tensor | None,
+    def __init__(self, run: RunLike, params: list[torch.Tensor], local_sq_norm: torch.Tensor | None,
                  local_batch: float | None, global_batch: float,
                  pending: tuple[Any, float] | None = None) -> None:
         self.run = run
@@ -85,7 +85,7 @@ class GradInfo:
         return self._global_sq
 
 
-def small_batch_sq_norm(run: Run, local_raw: torch.Tensor | None, local_count: Any,
+def small_batch_sq_norm(run: RunLike, local_raw: torch.Tensor | None, local_count: Any,
                         total_count: Any) -> tuple[torch.Tensor | None, float | None, float,
                                                    tuple[Any, float] | None]:
     """(small-batch |g|^2, its item count, the global item count, pending) for this step.

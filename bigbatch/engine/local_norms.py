@@ -3,7 +3,7 @@
 `install_local_norms(run, ...)` measures each worker's gradient norm before the
 all-reduce inside the engine's DDP comm hook (one scalar per worker) and, for
 AdamW / LAMB, preconditions gradients as ``g / (sqrt(v_hat) + eps)`` first
-(`preconditioned_grads`). Used by `bigbatch._adaptive`.
+(`preconditioned_grads`). Used by `bigbatch.engine.adaptive`.
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bigbatch.gns import sq_norm
+from bigbatch.adaptive.gns import sq_norm
 
 if TYPE_CHECKING:
-    from bigbatch.engine import Run
+    from bigbatch.engine.protocol import RunLike
 
 
 def preconditioned_grads(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
                          grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
-    """``g / (sqrt(v_hat) + eps)`` per tensor, as `bigbatch.gns.adam_sq_norm` measures it.
+    """``g / (sqrt(v_hat) + eps)`` per tensor, as `bigbatch.adaptive.gns.adam_sq_norm` measures it.
 
     New tensors in the order of `params` (None gradients skipped); parameters
     without Adam state yet stay unpreconditioned. A fixed number of
@@ -71,7 +71,7 @@ def _tensor_sq_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(norms).to(torch.float64).square()
 
 
-def install_local_norms(run: Run, preconditioned: bool) -> None:
+def install_local_norms(run: RunLike, preconditioned: bool) -> None:
     """Small-batch norms: preconditioned for Adam/LAMB, and independent of DDP's buckets.
 
     DDP regroups its buckets after the first step of every run, so a sum over

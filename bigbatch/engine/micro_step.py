@@ -1,4 +1,4 @@
-"""`MicroStep`: the context a training loop enters once per micro-batch (see `bigbatch.engine`).
+"""`MicroStep`: the context a training loop enters once per micro-batch (see `bigbatch.engine.run`).
 
 Kept apart from `engine.py` so that file holds the `Run` and its per-step logic.
 """
@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bigbatch.distributed import all_reduce_sum
 from bigbatch.errors import ConfigError
+from bigbatch.parallel.world import all_reduce_sum
 
 if TYPE_CHECKING:
-    from bigbatch.engine import Run
+    from bigbatch.engine.protocol import RunLike
 
 __all__ = ["MicroStep"]
 
@@ -24,7 +24,7 @@ class MicroStep:
 
     __slots__ = ("_run", "_contexts", "is_last", "stepped", "skipped", "_called", "_t0")
 
-    def __init__(self, run: Run) -> None:
+    def __init__(self, run: RunLike) -> None:
         self._run = run
         self._contexts: list[Any] = []
         self.is_last = False

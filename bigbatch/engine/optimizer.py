@@ -166,15 +166,15 @@ def _engine_comm_hook(state, bucket):  # DDP inspects annotations; postponed one
 
 def _adasum_hook() -> tuple[Callable, Any]:
     try:
-        adasum = importlib.import_module("bigbatch.adasum")
+        adasum = importlib.import_module("bigbatch.adaptive.adasum")
     except ImportError:
         raise ConfigError(
-            "data_parallel.reduce='adasum' needs bigbatch.adasum, which is not available; "
+            "data_parallel.reduce='adasum' needs bigbatch.adaptive.adasum, which is not available; "
             "use reduce='mean'"
         ) from None
     hook = getattr(adasum, "adasum_hook", None)
     if hook is None:
-        raise ConfigError("data_parallel.reduce='adasum': bigbatch.adasum has no adasum_hook")
+        raise ConfigError("data_parallel.reduce='adasum': bigbatch.adaptive.adasum has no adasum_hook")
     return hook, None
 
 

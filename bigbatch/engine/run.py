@@ -12,8 +12,8 @@ A plain PyTorch loop::
 
 becomes (launch with `torchrun --nproc-per-node N train.py`, or plain `python` for one process)::
 
-    from bigbatch.engine import prepare
-    from bigbatch.strategy import Strategy
+    from bigbatch.engine.run import prepare
+    from bigbatch.config.strategy import Strategy
 
     model = Net()
     run = prepare(model, Strategy.from_toml("strategy.toml"), total_steps=10_000)
@@ -45,7 +45,7 @@ running statistics advance once per micro-step; SyncBatchNorm
 (`data_parallel.sync_batch_norm`) synchronises over workers but never over
 micro-steps. Use a model without BatchNorm where exact big-batch equivalence matters.
 
-Training length and the `[adaptive]` section (glue in `bigbatch._adaptive`):
+Training length and the `[adaptive]` section (glue in `bigbatch.engine.adaptive`):
 
 - The schedule is read at `run.progress`, which advances by `run.progress_rate`
   per optimizer step; loop `while not run.done` (``progress >= total_steps``).
@@ -90,20 +90,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bigbatch import _adaptive, _run_state
-from bigbatch._amp import LossScaler, amp_dtype
-from bigbatch._engine_setup import (
+from bigbatch.config.schedules import warmup_start_lr
+from bigbatch.engine import adaptive as _adaptive
+from bigbatch.engine import state as _run_state
+from bigbatch.engine.amp import LossScaler, amp_dtype
+from bigbatch.engine.grad_info import GradInfo, small_batch_sq_norm, sq_norm
+from bigbatch.engine.micro_step import MicroStep
+from bigbatch.engine.optimizer import (
     CommState,
     apply_recompute,
     build_optimizer,
     check_reduce,
     wrap_data_parallel,
 )
-from bigbatch._grad_info import GradInfo, small_batch_sq_norm, sq_norm
-from bigbatch._micro_step import MicroStep
-from bigbatch.distributed import World, init_distributed, teardown
 from bigbatch.errors import ConfigError
-from bigbatch.schedules import warmup_start_lr
+from bigbatch.parallel.world import World, init_distributed, teardown
 
 __all__ = ["GradInfo", "MicroStep", "Run", "prepare", "schedule_steps"]
 
@@ -166,7 +167,7 @@ class Run:
         """Extra stateful helpers saved in `state_dict()` under their name; those with a
         `stats()` method add to `run.stats`."""
         self.adaptive: Any = None
-        """The `[adaptive]` controller (`bigbatch._adaptive.Adaptive`), None when off."""
+        """The `[adaptive]` controller (`bigbatch.engine.adaptive.Adaptive`), None when off."""
         self.batch_size_changes: list[dict[str, Any]] = []
         """Goodput decisions that changed the batch: step, old, new, micro, k, reason."""
         self.last_step_seconds = 0.0
@@ -347,7 +348,7 @@ class Run:
         """Restore what `state_dict()` returned (the model's weights are loaded separately).
 
         On another world size (or a changed batch configuration) the batch follows
-        `bigbatch.elastic.resume_plan` and the schedule keeps the checkpoint's unit;
+        `bigbatch.config.elastic.resume_plan` and the schedule keeps the checkpoint's unit;
         registered helpers (noise scale, AdaScale, goodput) load first and carry over.
         """
         _run_state.load_state_dict(self, state)
@@ -376,9 +377,9 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
     on when `[adaptive]` needs the noise scale). With `[adaptive]` active the run
     gets `run.adaptive` (see the module docstring for training length and the
     adaptive-batch loader contract). `plan` replaces `strategy.resolve(world_size)`, e.g.
-    `bigbatch.elastic.resume_plan(...)` for a checkpoint from another world size.
+    `bigbatch.config.elastic.resume_plan(...)` for a checkpoint from another world size.
     """
-    from bigbatch.schedules import Schedule
+    from bigbatch.config.schedules import Schedule
 
     world = world if world is not None else World.from_env()
     if plan is None:

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from bigbatch.elastic import BatchState, configured_sizes, resume_plan
+from bigbatch.config.elastic import BatchState, configured_sizes, resume_plan
 from bigbatch.errors import ConfigError
 
 if TYPE_CHECKING:
-    from bigbatch.engine import Run
+    from bigbatch.engine.protocol import RunLike
 
 
-def stats(run: Run) -> dict[str, float]:
+def stats(run: RunLike) -> dict[str, float]:
     """`Run.stats`."""
     out: dict[str, float] = {
         "step": float(run.step),
@@ -36,7 +36,7 @@ def stats(run: Run) -> dict[str, float]:
     return out
 
 
-def state_dict(run: Run) -> dict[str, Any]:
+def state_dict(run: RunLike) -> dict[str, Any]:
     """`Run.state_dict()`."""
     state: dict[str, Any] = {
         "optimizer": run.optimizer.state_dict(),
@@ -63,7 +63,7 @@ def state_dict(run: Run) -> dict[str, Any]:
     return state
 
 
-def load_state_dict(run: Run, state: dict[str, Any]) -> None:
+def load_state_dict(run: RunLike, state: dict[str, Any]) -> None:
     """`Run.load_state_dict()`: helpers first, then the elastic batch plan, then counters."""
     for name, sub in state.get("extra", {}).items():
         if name in run.state_objects:

@@ -1,7 +1,7 @@
 """report.md of the study: the results table and the prose around it.
 
-Renders the dict that `bigbatch._report.collect` builds and results.json holds; the
-analysis behind every number stays in `bigbatch._report`.
+Renders the dict that `bigbatch.study.report.collect` builds and results.json holds; the
+analysis behind every number stays in `bigbatch.study.report`.
 """
 
 from __future__ import annotations

@@ -12,55 +12,27 @@ Without a strategy the task's small-batch recipe is used, with gradient merge
 on one worker (the first micro-step against the merged batch gives unbiased
 estimates) or one micro-batch per worker on several (local against all-reduced
 gradients). Noise scales are in the loss's items: examples, or tokens for a
-language model. The flags and the printed table live in `bigbatch._gns_cli`
-and are re-exported here.
-
-The CLI wiring (owned by `bigbatch.cli`)::
-
-    g = sub.add_parser("gns", help=GNS_HELP, description=GNS_DESCRIPTION)
-    add_gns_arguments(g)
-    ...
-    if args.command == "gns":
-        return run_gns_command(args)      # ConfigError -> one line, exit code 2
+language model. `format_report` prints the points and the estimate as the
+`bigbatch gns` command (`bigbatch.cli.gns`) shows them.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
-import subprocess
-import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from bigbatch._gns_cli import (
-    GNS_DESCRIPTION,
-    GNS_HELP,
-    _argv_of,
-    _jsonable,
-    _options,
-    _point_line,
-    add_gns_arguments,
-    format_report,
-)
-from bigbatch.distributed import World, all_reduce_sum, init_distributed, teardown
 from bigbatch.errors import ConfigError
+from bigbatch.parallel.world import World, all_reduce_sum, init_distributed, teardown
 
 __all__ = [
-    "GNS_DESCRIPTION",
-    "GNS_HELP",
-    "add_gns_arguments",
     "critical_batch",
     "default_strategy",
     "format_report",
-    "main",
+    "load_task",
     "measure_noise_scale",
-    "run_gns_command",
     "window_estimate",
 ]
 
@@ -74,7 +46,7 @@ def default_strategy(task: Any, model: str | None = None, world_size: int = 1) -
     One worker: the recipe's batch in 4 (or 2) merged micro-steps, so each step
     has a small and a big batch; several workers: one micro-batch per worker.
     """
-    from bigbatch.strategy import Strategy
+    from bigbatch.config.strategy import Strategy
 
     r = task.recipe(model)
     g = r.base_batch_size
@@ -179,7 +151,7 @@ def measure_noise_scale(
     init_distributed(getattr(strategy, "data_parallel", None), world)
     try:
         if isinstance(task, str):
-            task = _load_task(task, {}, world)
+            task = load_task(task, {}, world)
         return _measure(task, strategy, model, steps, epochs, points, steps_per_point, seed,
                         world, log)
     finally:
@@ -187,7 +159,7 @@ def measure_noise_scale(
             teardown()
 
 
-def _load_task(name: str, options: dict[str, Any], world: World) -> Any:
+def load_task(name: str, options: dict[str, Any], world: World) -> Any:
     """Build the task, on rank 0 first so a data cache is generated once."""
     from bigbatch.tasks import get_task
 
@@ -202,7 +174,7 @@ def _load_task(name: str, options: dict[str, Any], world: World) -> Any:
 def _measure(task: Any, strategy: Any, model: str | None, steps: int | None,
              epochs: float | None, points: int, steps_per_point: int, seed: int, world: World,
              log: Callable[[str], None] | None) -> list[dict[str, Any]]:
-    from bigbatch.engine import prepare, schedule_steps
+    from bigbatch.engine.run import prepare, schedule_steps
     from bigbatch.tasks.sampler import GlobalBatchSampler
 
     if strategy is None:
@@ -269,80 +241,36 @@ def _measure(task: Any, strategy: Any, model: str | None, steps: int | None,
     return out
 
 
-# ---------------------------------------------------------------- command line
+# ---------------------------------------------------------------- printed output
 
 
-def run_gns_command(args: argparse.Namespace) -> int:
-    """`bigbatch gns`: measure, print the table and the critical batch; returns the exit code.
-
-    With `--nproc N > 1` outside torchrun it relaunches itself through
-    `python -m torch.distributed.run --standalone`. Raises ConfigError on user mistakes.
-    """
-    from bigbatch.strategy import Strategy
-    from bigbatch.tasks import get_task
-
-    for name, low in (("points", 1), ("steps_per_point", 1), ("nproc", 1), ("steps", 1)):
-        value = getattr(args, name, None)
-        if value is not None and value < low:
-            raise ConfigError(f"--{name.replace('_', '-')}={value} is out of range; allowed: >= {low}")
-    if getattr(args, "epochs", None) is not None and not args.epochs > 0:
-        raise ConfigError(f"--epochs={args.epochs} is out of range; allowed: > 0")
-    options = _options(getattr(args, "task_options", []) or [])
-    launched = "TORCHELASTIC_RUN_ID" in os.environ or (
-        "RANK" in os.environ and "WORLD_SIZE" in os.environ)
-    strategy = None
-    if args.config is not None:
-        strategy = Strategy.from_toml(Path(args.config))
-    if strategy is not None or args.overrides:
-        if strategy is None:
-            strategy = default_strategy(get_task(args.task, **options), args.model,
-                                        int(os.environ.get("WORLD_SIZE", args.nproc or 1)))
-        strategy = strategy.with_overrides(args.overrides)
-    if (args.nproc or 1) > 1 and not launched:
-        task = get_task(args.task, **options)  # fills the data cache once, before the workers
-        task.check_model(args.model)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(args.nproc), "-m", "bigbatch.gns_probe", *_argv_of(args)]
-        try:
-            return subprocess.call(cmd)
-        except KeyboardInterrupt:
-            return 130
-    world = World.from_env()
-    init_distributed(getattr(strategy, "data_parallel", None), world)
-    try:
-        task = _load_task(args.task, options, world)
-        say = print if world.is_main else None
-        if say is not None:
-            say(f"bigbatch gns: {task.name} ({task.check_model(args.model)}), "
-                f"{world.world_size} worker(s)")
-        points = measure_noise_scale(task, strategy, model=args.model, steps=args.steps,
-                                     epochs=args.epochs, points=args.points,
-                                     steps_per_point=args.steps_per_point, seed=args.seed,
-                                     world=world, log=say)
-        summary = critical_batch(points)
-        if world.is_main:
-            print(format_report(points, summary))
-            if args.json:
-                Path(args.json).write_text(json.dumps(_jsonable(
-                    {"task": task.name, "model": task.check_model(args.model),
-                     "world_size": world.world_size, "points": points,
-                     "critical_batch": summary}), indent=2) + "\n")
-    finally:
-        teardown()
-    return 0
+def _fmt(v: float, spec: str = ".4g") -> str:
+    return format(v, spec) if math.isfinite(v) else ("inf" if v == math.inf else "n/a")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m bigbatch.gns_probe ...`: the same as `bigbatch gns ...`."""
-    parser = add_gns_arguments(argparse.ArgumentParser(prog="bigbatch gns",
-                                                       description=GNS_DESCRIPTION))
-    args = parser.parse_args(argv)
-    try:
-        return run_gns_command(args)
-    except ConfigError as e:
-        print(f"bigbatch gns: error: {e}", file=sys.stderr)
-        return 2
+def _point_line(p: dict[str, Any]) -> str:
+    return (f"step {p['step']:>6} (epoch {p['epoch']:.2f}): loss {p['loss']:.4f}  "
+            f"B_simple {_fmt(p['b_simple'])} +- {_fmt(p['stderr'], '.2g')} "
+            f"({p['estimates']} steps)")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def format_report(points: Sequence[dict[str, Any]], summary: dict[str, Any]) -> str:
+    """The table of points and the critical-batch line, as `bigbatch gns` prints them."""
+    head = f"{'step':>7} {'epoch':>6} {'loss':>8} {'B_simple':>10} {'stderr':>9} " \
+           f"{'|G|^2':>10} {'tr(Sigma)':>10}"
+    lines = [head, "-" * len(head)]
+    for p in points:
+        lines.append(f"{p['step']:>7} {p['epoch']:>6.2f} {p['loss']:>8.4f} "
+                     f"{_fmt(p['b_simple']):>10} {_fmt(p['stderr'], '.3g'):>9} "
+                     f"{_fmt(p['sq_norm'], '.3g'):>10} {_fmt(p['trace'], '.3g'):>10}")
+    s = summary
+    line = (f"critical batch (B_simple at step {s['step']}): {_fmt(s['b_simple'])} "
+            f"+- {_fmt(s['stderr'], '.2g')}")
+    if math.isfinite(s["low"]):
+        line += f" (95%: {_fmt(s['low'])} to {_fmt(s['high'])})"
+    line += (f"; over training {_fmt(s['min_over_training'])} to "
+             f"{_fmt(s['max_over_training'])} items per batch")
+    lines.append(line)
+    if s["biased"]:
+        lines.append("note: measured from consecutive steps (one worker, no merge): biased")
+    return "\n".join(lines)

@@ -101,7 +101,7 @@ def plot_steps(results: dict[str, Any], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("global batch size")
     ax.set_ylabel("optimizer steps to target")
-    from bigbatch._report import fmt_metric
+    from bigbatch.study.markdown import fmt_metric
 
     ax.set_title(f"steps to {results['metric']} {fmt_metric(results['target'], results['metric'])}")
     ax.grid(True, which="both", alpha=0.3)
@@ -175,7 +175,7 @@ def _zoom(ax: Any, results: dict[str, Any]) -> None:
         edge = lo if v < lo else hi
         ax.scatter([c["global_batch_size"]], [edge], marker="v" if v < lo else "^", color="red",
                    zorder=5, clip_on=False)
-        from bigbatch._report import fmt_metric
+        from bigbatch.study.markdown import fmt_metric
 
         ax.annotate(f"{c['strategy']}: {fmt_metric(v, results['metric'])}",
                     (c["global_batch_size"], edge), textcoords="offset points",

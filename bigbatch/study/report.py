@@ -3,8 +3,8 @@
 Everything the report says is computed from the cells' `metrics.jsonl` and
 `summary.json`: steps to target, the measured noise scale (McCandlish et al.
 2018: the critical batch is about B_simple), and a verdict per claim of the seeds.
-`write` renders it: report.md in `bigbatch._report_md`, the figures in
-`bigbatch._report_plots`.
+`write` renders it: report.md in `bigbatch.study.markdown`, the figures in
+`bigbatch.study.plots`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bigbatch._report_md import fmt_metric as fmt_metric  # re-exported: _report_plots uses it
-from bigbatch._report_md import markdown
-from bigbatch._report_plots import plot_all
+from bigbatch.study.markdown import markdown
+from bigbatch.study.plots import plot_all
 
 NEAR_LINEAR = 0.6
 """Scaling efficiency (S1/S2)/(B2/B1) at or above which steps fall "about linearly"."""
@@ -312,7 +311,7 @@ def collect(c: Any, task: Any, recipe: Any, cells: list[Any], status: dict[str, 
 
 
 def _rule(name: str) -> str:
-    from bigbatch.study import RULES
+    from bigbatch.study.rules import RULES
 
     return RULES[name]
 

@@ -1,17 +1,25 @@
 """The study's strategies: how each one scales the task's small-batch recipe to a batch.
 
 `cell_strategy` turns (recipe, strategy name, global batch) into the Strategy of one cell;
-`RULES` says the same in one line each for the report. Re-exported by `bigbatch.study`.
+`RULES` says the same in one line each for the report. The sweep (`bigbatch.study.sweep`) applies them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from bigbatch.errors import ConfigError
 
-if TYPE_CHECKING:
-    from bigbatch.study import StudyConfig
+
+class Grid(Protocol):
+    """What the rules read of a `StudyConfig` (which imports `STRATEGIES` from here)."""
+
+    epochs: float | None
+    warmup_epochs: float | None
+    micro_batch_size: int
+    nproc: int
+    overrides: dict[str, list[str]]
+
 
 STRATEGIES = ("sgd", "lars", "lamb", "adascale")
 RULES = {
@@ -27,15 +35,15 @@ LARS_DEFAULT = {"lars_coeff": 0.01, "base_lr": 0.1}
 LAMB_DEFAULT = {"base_lr": 0.01, "weight_decay": 0.01}
 
 
-def _warmup_epochs(c: StudyConfig, recipe: Any) -> float:
+def _warmup_epochs(c: Grid, recipe: Any) -> float:
     if c.warmup_epochs is not None:
         return c.warmup_epochs
     return max(recipe.warmup_epochs, (c.epochs or recipe.epochs) / 8)
 
 
-def cell_strategy(c: StudyConfig, recipe: Any, name: str, batch: int) -> Any:
+def cell_strategy(c: Grid, recipe: Any, name: str, batch: int) -> Any:
     """The Strategy of cell (`name`, `batch`): the recipe scaled by the strategy's rule."""
-    from bigbatch.strategy import Strategy
+    from bigbatch.config.strategy import Strategy
 
     micro = min(c.micro_batch_size, max(1, batch // c.nproc))
     if batch % (micro * c.nproc):

@@ -5,8 +5,8 @@ the same number of epochs; each strategy scales one small-batch recipe (the
 task's `Recipe`) by its own rule (`RULES`). Each cell writes the usual `train`
 outputs under `OUT/cells/<strategy>-b<batch>/`; the study then reads their
 `metrics.jsonl` / `summary.json` and writes `OUT/report.md`, `OUT/results.json`
-and PNG figures (`bigbatch._report`). The strategies and their rules are in
-`bigbatch._study_rules`.
+and PNG figures (`bigbatch.study.report`). The strategies and their rules are in
+`bigbatch.study.rules`.
 
 A finished cell (its `summary.json` present and its `study_cell.json` equal to
 what the cell would be now) is kept on restart; an interrupted one resumes from
@@ -16,7 +16,6 @@ calling `train()`), or through `python -m bigbatch train --nproc N`.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -25,93 +24,18 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from bigbatch._study_cli import (
-    add_study_arguments,
-    config_from_args,
-)
-
-# The rules' names stay importable from here, the module users know.
-from bigbatch._study_rules import LAMB_DEFAULT as LAMB_DEFAULT
-from bigbatch._study_rules import LARS_DEFAULT as LARS_DEFAULT
-from bigbatch._study_rules import LAYERWISE_EXCLUDE as LAYERWISE_EXCLUDE
-from bigbatch._study_rules import RULES as RULES
-from bigbatch._study_rules import STRATEGIES, _warmup_epochs, cell_strategy
 from bigbatch.errors import ConfigError
+from bigbatch.study.config import QUICK as QUICK
+from bigbatch.study.config import StudyConfig
+from bigbatch.study.rules import RULES as RULES
+from bigbatch.study.rules import STRATEGIES as STRATEGIES
+from bigbatch.study.rules import _warmup_epochs, cell_strategy
 
 CELL_FILE, PENDING_FILE, CELL_STRATEGY = "study_cell.json", "study_pending.json", "study_strategy.toml"
-
-QUICK = {  # per task: a grid that finishes in a few minutes on 2 CPU cores
-    "mnist1d": {"model": "cnn", "task_options": {"num_samples": 20000}, "epochs": 12,
-                "batches": [128, 512, 2048, 4096], "strategies": ["sgd", "lars"], "threads": 1},
-    "charlm": {"task_options": {"d_model": 64, "n_layer": 1, "seq_len": 32}, "epochs": 2,
-               "batches": [16, 64, 256, 1024], "strategies": ["sgd", "lamb"], "threads": 1},
-}
-
-
-@dataclass
-class StudyConfig:
-    """One batch-size study: the grid, the budget and where to write."""
-
-    task: str = "mnist1d"
-    """Built-in task."""
-    model: str | None = None
-    """Model of the task; None: its default."""
-    task_options: dict[str, Any] = field(default_factory=dict)
-    """Task constructor options (e.g. `num_samples`)."""
-    batches: list[int] | None = None
-    """Global batch sizes; None: the recipe's base batch x 1, 4, 16, 64."""
-    strategies: list[str] | None = None
-    """Strategy names from `STRATEGIES`; None: sgd and the layer-wise one for the recipe."""
-    epochs: float | None = None
-    """Epoch budget of every cell; None: the recipe's."""
-    target: float | None = None
-    """Test-metric target for steps-to-target; None: the baseline's final value -/+ 1 point."""
-    tolerance: float | None = None
-    """Allowed loss vs the baseline for "keeps accuracy"; None: 0.005 (accuracy) / 0.02 (bpc)."""
-    micro_batch_size: int = 128
-    """Per-worker micro-batch (gradient merge above it); also the noise scale's small batch."""
-    warmup_epochs: float | None = None
-    """Warmup of the scaled strategies; None: max(recipe's, epochs / 8)."""
-    evals_per_epoch: int = 4
-    """Test evaluations per epoch (steps-to-target are interpolated between them)."""
-    overrides: dict[str, list[str]] = field(default_factory=dict)
-    """Strategy name (or "all") -> `section.key=value` overrides of its cells."""
-    seed: int = 0
-    """Seed of every cell (same init and data order)."""
-    nproc: int = 1
-    """Workers per cell; > 1 launches `bigbatch train` through torchrun."""
-    threads: int | None = None
-    """torch threads per worker (OMP_NUM_THREADS); None: torch's default. On a shared CPU
-    use 1: oversubscribed OpenMP threads spin, and small models gain little from more."""
-    out: str = "runs/study"
-    """Output directory."""
-    progress: bool = True
-    """Show a live progress bar on a terminal (else one line per cell)."""
-
-    def __post_init__(self) -> None:
-        if self.batches is not None:
-            if not self.batches or any(not isinstance(b, int) or b < 1 for b in self.batches):
-                raise ConfigError(f"batches={self.batches} must be integers >= 1")
-            self.batches = sorted(set(self.batches))
-        if self.strategies is not None:
-            bad = [s for s in self.strategies if s not in STRATEGIES]
-            if bad or not self.strategies:
-                raise ConfigError(f"strategies={bad or '[]'}: unknown; valid: {', '.join(STRATEGIES)}")
-            self.strategies = list(dict.fromkeys(self.strategies))
-        for name, low in (("micro_batch_size", 1), ("evals_per_epoch", 1), ("nproc", 1),
-                          ("threads", 1)):
-            if getattr(self, name) is not None and getattr(self, name) < low:
-                raise ConfigError(f"{name}={getattr(self, name)} is out of range; allowed: >= {low}")
-        if self.epochs is not None and not self.epochs > 0:
-            raise ConfigError(f"epochs={self.epochs} is out of range; allowed: > 0")
-        for key in self.overrides:
-            if key != "all" and key not in STRATEGIES:
-                raise ConfigError(f"--set {key}:...: unknown strategy; valid: all, {', '.join(STRATEGIES)}")
-
 
 # ----------------------------------------------------------------- the cells
 
@@ -151,7 +75,7 @@ def resolved(config: StudyConfig) -> tuple[StudyConfig, Any]:
 
 def build_cells(c: StudyConfig, task: Any, recipe: Any) -> list[Cell]:
     """Every cell, validated (batch arithmetic and schedule) before anything runs."""
-    from bigbatch.train import TrainConfig, plan_run
+    from bigbatch.train.trainer import TrainConfig, plan_run
 
     cells, out = [], Path(c.out) / "cells"
     for name in c.strategies:
@@ -183,7 +107,7 @@ def is_finished(cell: Cell) -> bool:
 
 
 def _resumable(cell: Cell) -> bool:
-    from bigbatch.checkpoint import latest_checkpoint
+    from bigbatch.train.checkpoint import latest_checkpoint
 
     return (_read_json(cell.dir / PENDING_FILE) == cell.spec
             and latest_checkpoint(cell.dir) is not None)
@@ -208,7 +132,7 @@ def _isolated():
 
 
 def _run_in_process(cell: Cell, resume: bool, threads: int | None = None) -> None:
-    from bigbatch.train import TrainConfig, train
+    from bigbatch.train.trainer import TrainConfig, train
 
     spec = cell.spec
     config = TrainConfig(task=spec["task"], model=spec["model"], task_options=spec["task_options"],
@@ -274,8 +198,8 @@ def run_cell(cell: Cell, threads: int | None = None) -> dict[str, Any]:
 def run_study(config: StudyConfig, *, run_missing: bool = True,
               argv: list[str] | None = None) -> dict[str, Any]:
     """Run (or reuse) every cell, then write the report; returns the results."""
-    from bigbatch import _report
-    from bigbatch._study_progress import StudyProgress
+    from bigbatch.study import report as _report
+    from bigbatch.study.progress import StudyProgress
 
     c, (task, recipe) = resolved(config)
     cells = build_cells(c, task, recipe)
@@ -308,33 +232,3 @@ def run_study(config: StudyConfig, *, run_missing: bool = True,
     return results
 
 
-# ----------------------------------------------------------------- command line
-
-
-def run_study_command(args: argparse.Namespace) -> int:
-    """`bigbatch study` after parsing; one-line errors, exit status 2 on user mistakes."""
-    try:
-        config = config_from_args(args)
-        argv = sys.argv[1:]
-        argv = argv if argv[:1] == ["study"] else ["study", *argv]
-        results = run_study(config, run_missing=not args.report_only, argv=argv)
-    except ConfigError as e:
-        print(f"bigbatch study: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("bigbatch study: interrupted (finished cells are kept)", file=sys.stderr)
-        return 130
-    print(f"report: {Path(config.out) / 'report.md'}", file=sys.stderr)
-    failed = [c for c in results["cells"] if c["status"] == "failed"]
-    return 1 if failed else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m bigbatch.study ...` (the same as `bigbatch study ...`)."""
-    parser = argparse.ArgumentParser(prog="bigbatch study", description=__doc__.splitlines()[0])
-    add_study_arguments(parser)
-    return run_study_command(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from bigbatch.checkpoint import atomic_save
 from bigbatch.errors import ConfigError
 from bigbatch.tasks._base import Recipe, Reduce, Task, cache_dir, eval_sums, params_hash
+from bigbatch.train.checkpoint import atomic_save
 
 log = logging.getLogger("bigbatch.tasks")
 

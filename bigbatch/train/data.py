@@ -1,4 +1,4 @@
-"""Small helpers of `bigbatch.train`: seeding, collectives on Python objects, the output
+"""Small helpers of `bigbatch.train.trainer`: seeding, collectives on Python objects, the output
 directory, batches, the non-finite loss guard."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bigbatch.checkpoint import CHECKPOINT_DIR, latest_checkpoint
-from bigbatch.distributed import World
 from bigbatch.errors import ConfigError
+from bigbatch.parallel.world import World
+from bigbatch.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint
 
 
 def seed_everything(seed: int) -> None:

@@ -25,22 +25,28 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bigbatch import _train_utils as U
-from bigbatch._progress import METRICS_FILE, MetricsWriter, ProgressBar, closing_line, reference
-from bigbatch.checkpoint import (
+from bigbatch.config.elastic import resume_plan
+from bigbatch.config.strategy import Strategy
+from bigbatch.engine.run import prepare, schedule_steps
+from bigbatch.errors import ConfigError
+from bigbatch.parallel.world import World, all_reduce_sum, init_distributed, teardown
+from bigbatch.tasks import Task, get_task
+from bigbatch.tasks.sampler import GlobalBatchSampler
+from bigbatch.train import data as U
+from bigbatch.train.checkpoint import (
     CHECKPOINT_DIR,
     load_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
-from bigbatch.distributed import World, all_reduce_sum, init_distributed, teardown
-from bigbatch.elastic import resume_plan
-from bigbatch.engine import prepare, schedule_steps
-from bigbatch.errors import ConfigError
-from bigbatch.strategy import Strategy
-from bigbatch.tasks import Task, get_task
-from bigbatch.tasks.sampler import GlobalBatchSampler
+from bigbatch.train.progress import (
+    METRICS_FILE,
+    MetricsWriter,
+    ProgressBar,
+    closing_line,
+    reference,
+)
 
 RUN_FILE = "run.json"
 OUTPUTS = (METRICS_FILE, "summary.json", "final.pt", "strategy.toml", RUN_FILE,
@@ -127,11 +133,11 @@ def plan_run(config: TrainConfig, strategy: Strategy, task: Task, world_size: in
     """(BatchPlan, this worker's sampler, total_steps, steps_per_epoch) in the schedule's units.
 
     `saved`: a checkpoint's batch state (`Run.state_dict()["batch"]`): the plan
-    follows `bigbatch.elastic.resume_plan` and the units stay the checkpoint's.
+    follows `bigbatch.config.elastic.resume_plan` and the units stay the checkpoint's.
     Validates the schedule too, so a launcher can report every config mistake
     before starting workers.
     """
-    from bigbatch.schedules import Schedule
+    from bigbatch.config.schedules import Schedule
 
     if saved is not None:
         plan, unit = resume_plan(strategy, world_size, saved), saved["unit_batch_size"]

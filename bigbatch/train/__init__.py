@@ -1,0 +1,6 @@
+"""The main job (``bigbatch train``): the trainer loop, atomic checkpoints and resume,
+progress and metrics."""
+
+from .trainer import TrainConfig, train
+
+__all__ = ["TrainConfig", "train"]
