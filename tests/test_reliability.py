@@ -18,7 +18,8 @@ import torch
 from bigbatch.cli.main import main
 from bigbatch.config.strategy import Strategy
 from bigbatch.train.checkpoint import latest_checkpoint, load_checkpoint
-from bigbatch.train.trainer import NonFiniteLossError, TrainConfig, train
+from bigbatch.train.nonfinite import NonFiniteLossError
+from bigbatch.train.trainer import TrainConfig, train
 
 T = importlib.import_module("bigbatch.train.trainer")  # the module (bigbatch.train.trainer is also a function)
 

@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except RuntimeError as e:  # exit 1: the run failed, not its input
         from bigbatch.parallel.world import is_peer_failure
-        from bigbatch.train.trainer import NonFiniteLossError
+        from bigbatch.train.nonfinite import NonFiniteLossError
 
         if isinstance(e, NonFiniteLossError):
             print(f"bigbatch {args.command}: error: {e}", file=sys.stderr)

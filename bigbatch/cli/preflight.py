@@ -75,7 +75,7 @@ def preflight(config, strategy, world_size: int | None):
         _check_checkpoint(config, path, ckpt, model)
     recompute = strategy.recompute
     if recompute.enable and recompute.checkpoints:  # module names exist (throwaway model)
-        from bigbatch.engine.optimizer import apply_recompute
+        from bigbatch.engine.recompute import apply_recompute
 
         apply_recompute(model, list(recompute.checkpoints))
     return task

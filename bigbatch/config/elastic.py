@@ -101,3 +101,22 @@ def resume_plan(strategy: Any, world_size: int, saved: BatchState | dict[str, An
         g = saved.global_batch_size
         micro, k = split_batch(g, world_size, sizes[1] or saved.micro_batch_size, sizes[2])
     return strategy.batch_plan(g, micro, k, world_size)
+
+
+def resume_line(saved: dict[str, Any], plan: Any, world_size: int, unit_batch_size: int,
+                strategy: Any) -> str | None:
+    """What a resume did to the batch, one line (None when nothing moved)."""
+    W = world_size
+    g0, w0 = saved["global_batch_size"], saved["world_size"]
+    if (g0, saved["micro_batch_size"], saved["k_steps"], w0) == (
+            plan.global_batch_size, plan.micro_batch_size, plan.k_steps, W):
+        return None
+    how = (f"global batch {g0} -> {plan.global_batch_size}" if g0 != plan.global_batch_size
+           else f"global batch {g0} kept")
+    why = (f"{W} worker(s), was {w0}; batch.elastic={strategy.batch.elastic}" if w0 != W
+           else "the batch configuration changed")
+    line = f"{how} ({why}): micro batch {plan.micro_batch_size} x k_steps {plan.k_steps}"
+    if g0 != plan.global_batch_size:
+        line += (f", peak LR {plan.peak_lr:.6g} ({strategy.batch.scaling} scaling); the "
+                 f"schedule still counts steps of {unit_batch_size} samples")
+    return line

@@ -1,4 +1,5 @@
-"""Helpers behind bigbatch.config.strategy: field checks, key suggestions, the overview table."""
+"""Reading the Strategy's fields: TOML sources, type coercion and range checks, and
+one-line errors that suggest the closest key."""
 
 import dataclasses
 import difflib
@@ -127,48 +128,6 @@ def check_fields(obj: Any, section: str) -> None:
         items = value if isinstance(value, tuple) else (value,)
         if bounds and any(not _in_range(x, bounds) for x in items):
             raise ConfigError(f"{key} must be {_range_text(bounds)}, got {value!r}")
-
-
-# -- overview table ----------------------------------------------------------------------
-
-WIDTH = 80
-_KEY_COL = 36  # keys right-aligned in this many columns, then a gap, then the value
-_GAP = 4
-
-
-def _text(value: Any) -> list[str]:
-    """Display lines of one value: TOML-like scalars, one line per list item."""
-    if isinstance(value, bool):
-        return ["true" if value else "false"]
-    if value is None:
-        return ["-"]
-    if isinstance(value, tuple | list):
-        return [str(v) for v in value] or ["[]"]
-    return [str(value)]
-
-
-def _line(text: str, align: str = "^") -> str:
-    inner = WIDTH - 2
-    if len(text) > inner:
-        text = text[: inner - 3] + "..."
-    return f"|{text:{align}{inner}}|"
-
-
-def render_overview(title: str, blocks: list[tuple[str, list[tuple[str, Any]]]]) -> str:
-    """A Fleet-style boxed table: a title, then one titled block of key/value rows each."""
-    heavy, light = "+" + "=" * (WIDTH - 2) + "+", "+" + "-" * (WIDTH - 2) + "+"
-    out = [heavy, _line(""), _line(title), _line(""), heavy]
-    value_width = WIDTH - 2 - _KEY_COL - _GAP
-    for block_title, rows in blocks:
-        out += [_line(block_title), light]
-        for key, value in rows:
-            for i, item in enumerate(_text(value)):
-                if len(item) > value_width:
-                    item = item[: value_width - 3] + "..."
-                label = key if i == 0 else ""
-                out.append(_line(f"{label:>{_KEY_COL}}{'':{_GAP}}{item}", "<"))
-        out.append(heavy)
-    return "\n".join(out)
 
 
 def read_toml_source(path_or_text: str | os.PathLike) -> tuple[str, str]:

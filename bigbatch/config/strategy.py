@@ -32,9 +32,9 @@ import tomli_w
 from bigbatch.config.fields import (
     parse_literal,
     read_toml_source,
-    render_overview,
     unknown_key_message,
 )
+from bigbatch.config.overview import render_overview
 from bigbatch.config.scaling import scale_lr
 from bigbatch.config.schedules import warmup_start_lr
 from bigbatch.config.sections import (

@@ -1,6 +1,85 @@
-"""The engine: ``prepare()`` turns a model and a Strategy into a ``Run`` that owns the
-micro-step (gradient merge, AMP and loss scaling, clipping, the optimizer step and
-the learning rate), the gradient statistics and the ``[adaptive]`` controller."""
+"""The engine: a Strategy applied to your own training loop (Fleet's `distributed_optimizer`).
+
+`prepare()` turns a model and a Strategy into a `Run` that owns the micro-step
+(gradient merge, AMP and loss scaling, clipping, the optimizer step and the
+learning rate), the gradient statistics and the `[adaptive]` controller.
+
+A plain PyTorch loop::
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in loader:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+
+becomes (launch with `torchrun --nproc-per-node N train.py`, or plain `python` for one process)::
+
+    import bigbatch
+
+    model = Net()
+    run = bigbatch.prepare(model, bigbatch.Strategy.from_toml("strategy.toml"), total_steps=10_000)
+    sampler = DistributedSampler(data, run.world.world_size, run.world.rank)
+    loader = DataLoader(data, batch_size=run.plan.micro_batch_size, sampler=sampler)
+    for x, y in loader:
+        x, y = x.to(run.world.device), y.to(run.world.device)
+        with run.micro_step() as ms:                  # autocast; no_sync but on the k-th
+            loss = F.cross_entropy(run.model(x), y)
+            ms.backward(loss)                         # merge, loss scaling, step, LR
+    run.close()
+
+For a summed loss over a variable number of items (tokens), pass the count and
+the merged step is exactly one step on the big batch::
+
+            loss = F.cross_entropy(logits, targets, reduction="sum", ignore_index=-100)
+            ms.backward(loss, count=(targets != -100).sum())
+
+Gradient semantics per optimizer step (k micro-steps, W workers):
+- `ms.backward(loss)` with a per-micro-batch *mean* loss: the optimizer sees the
+  mean over workers of the mean of the k micro-step gradients (`gradient_merge.avg
+  = true`) or of their sum (`avg = false`, Fleet's semantics).
+- `ms.backward(loss, count=n)` with a *summed* loss: the optimizer sees the sum
+  over all micro-steps and workers divided by the total count (one scalar
+  all-reduce per step); `avg = false` multiplies that by k, as for mean losses.
+
+BatchNorm under gradient merge normalises each micro-batch on its own and its
+running statistics advance once per micro-step; SyncBatchNorm
+(`data_parallel.sync_batch_norm`) synchronises over workers but never over
+micro-steps. Use a model without BatchNorm where exact big-batch equivalence matters.
+
+Training length and the `[adaptive]` section (glue in `bigbatch.engine.adaptive`):
+
+- The schedule is read at `run.progress`, which advances by `run.progress_rate`
+  per optimizer step; loop `while not run.done` (``progress >= total_steps``).
+  Without adaptive methods progress == step. With ``lr = "adascale"`` the rate is
+  AdaScale's gain and `total_steps` / `steps_per_epoch` count *scale-1 steps*
+  (steps at `batch.base_batch_size`); `schedule_steps()` computes both.
+- ``noise_scale = true`` (implied by adascale and goodput): `run.stats` gains
+  ``gns`` (B_simple = tr(Sigma)/|G|^2, in items), ``gns_stderr``, ``gns_sq_norm``,
+  ``gns_trace`` and ``gns_biased``; the tracker is `run.adaptive.tracker`.
+- ``batch_size = "goodput"``: every `interval_steps` the engine may change the
+  batch; it then replaces `run.plan` (and `run.k_steps`) *between* optimizer
+  steps, right after the step that decided, and appends
+  ``{step, old, new, micro_batch_size, k_steps, reason}`` to
+  `run.batch_size_changes` (logged on logger ``bigbatch.adaptive``). Step times
+  are the seconds inside the step's micro-step blocks (`run.last_step_seconds`:
+  forward, backward, sync, optimizer; data loading excluded).
+- The noise scale needs the plain mean of the workers' gradients:
+  ``data_parallel.reduce = "adasum"`` with any of these is a ConfigError.
+
+The data contract of an adaptive batch size: the loop reads `run.plan` after
+every optimizer step (`ms.stepped`) and, when `plan.global_batch_size` or
+`plan.micro_batch_size` differ from what its loader yields, rebuilds the loader
+for the new global batch of `k_steps` micro-batches of `micro_batch_size` per
+worker, keeping its position in the epoch (counted in samples). The micro batch
+never exceeds the configured one (the memory limit). After
+`run.load_state_dict()` the plan is the checkpoint's: build the loader from
+`run.plan`, not from `strategy.resolve()`. Cap the batch at the data set with
+`run.adaptive.limit_batch_size(len(train_set))`. The training length stays that
+of `total_steps` configured-batch steps (progress advances by
+``new_global / configured_global`` per step), so loop on `run.done`.
+"""
 
 from .run import Run, prepare
 

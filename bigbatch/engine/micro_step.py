@@ -1,6 +1,8 @@
-"""`MicroStep`: the context a training loop enters once per micro-batch (see `bigbatch.engine.run`).
+"""`MicroStep`: the context a training loop enters once per micro-batch.
 
-Kept apart from `engine.py` so that file holds the `Run` and its per-step logic.
+It turns on autocast, holds back DDP's all-reduce (`no_sync`) on all but the
+k-th micro-step of a merge window, scales and counts the loss in `backward`,
+and on the k-th hands over to the run's step (see `bigbatch.engine`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""What a `Run` reports, saves and restores (the bodies of `Run.stats`, `state_dict` and
-`load_state_dict`, kept apart so `engine.py` holds the per-step logic)."""
+"""What a `Run` reports (`Run.stats`), saves (`Run.state_dict`) and restores
+(`Run.load_state_dict`): optimizer, loss scaler, schedule position, batch plan,
+the stateful helpers, and a merge window caught mid-way."""
 
 from __future__ import annotations
 

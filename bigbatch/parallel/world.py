@@ -183,3 +183,47 @@ def is_peer_failure(exc: BaseException) -> bool:
     text = str(exc).lower()
     return isinstance(exc, (RuntimeError, dist.DistError)) and any(
         t in text for t in _PEER_FAILURE_TEXT)
+
+
+# ---------------------------------------------------------------- small collectives
+
+
+def barrier(world: World) -> None:
+    if world.is_distributed and dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast(obj: Any, world: World) -> Any:
+    """Rank 0's `obj` on every worker."""
+    if not world.is_distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather(obj: Any, world: World) -> list[Any]:
+    """Every worker's `obj`, by rank, on every worker."""
+    if not world.is_distributed:
+        return [obj]
+    out: list[Any] = [None] * world.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def sync_buffers(module: torch.nn.Module, world: World) -> None:
+    """Give every worker rank 0's buffers (BatchNorm statistics).
+
+    They drift apart between DDP's per-forward broadcasts; evaluating and saving
+    rank 0's is what the next forward would do anyway.
+    """
+    if world.is_distributed:
+        for buf in module.buffers():
+            dist.broadcast(buf, src=0)
+
+
+def summed(t: torch.Tensor) -> torch.Tensor:
+    """`t` summed over all workers, in place (an evaluation `reduce`)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t

@@ -12,12 +12,10 @@ and the step; resuming from it gives the weights an uninterrupted run would have
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +23,22 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bigbatch.config.elastic import resume_plan
+from bigbatch.config.elastic import resume_line, resume_plan
 from bigbatch.config.strategy import Strategy
 from bigbatch.engine.run import prepare, schedule_steps
-from bigbatch.errors import ConfigError
-from bigbatch.parallel.world import World, all_reduce_sum, init_distributed, teardown
+from bigbatch.parallel.world import (
+    World,
+    all_reduce_sum,
+    barrier,
+    gather,
+    init_distributed,
+    summed,
+    sync_buffers,
+    teardown,
+)
 from bigbatch.tasks import Task, get_task
 from bigbatch.tasks.sampler import GlobalBatchSampler
-from bigbatch.train import data as U
+from bigbatch.train import data
 from bigbatch.train.checkpoint import (
     CHECKPOINT_DIR,
     load_checkpoint,
@@ -40,6 +46,9 @@ from bigbatch.train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from bigbatch.train.config import MAX_NONFINITE_SKIPS, TrainConfig
+from bigbatch.train.nonfinite import NonFiniteGuard
+from bigbatch.train.outdir import prepare_out
 from bigbatch.train.progress import (
     METRICS_FILE,
     MetricsWriter,
@@ -52,77 +61,13 @@ RUN_FILE = "run.json"
 OUTPUTS = (METRICS_FILE, "summary.json", "final.pt", "strategy.toml", RUN_FILE,
            CHECKPOINT_DIR, "tensorboard")
 CHECKPOINT_FORMAT = 1
-MAX_NONFINITE_SKIPS = 10
-NonFiniteLossError = U.NonFiniteLossError
-
-
-@dataclass
-class TrainConfig:
-    """What to train and where to write it (the Strategy says how)."""
-
-    task: str = "mnist1d"
-    """Built-in task name (see `bigbatch.tasks.TASKS`)."""
-    model: str | None = None
-    """Model of the task; None: the task's default."""
-    task_options: dict[str, Any] = field(default_factory=dict)
-    """Keyword options of the task (e.g. `num_samples` for mnist1d, `seq_len` for charlm)."""
-    epochs: float | None = None
-    """Training length in epochs; None with `steps` None: the task recipe's epochs."""
-    steps: int | None = None
-    """Training length in optimizer steps of the configured global batch, instead of epochs
-    (with AdaScale: steps of `batch.base_batch_size`). These are the schedule's units: a
-    resume whose global batch moved keeps counting steps of the first run's batch."""
-    seed: int = 0
-    """Seeds model init, the data order and every worker's RNGs."""
-    out: str = "runs/train"
-    """Output directory (rank 0 writes; must be shared storage across nodes to resume)."""
-    resume: bool = False
-    """Continue from the latest checkpoint in `out`."""
-    checkpoint_every: int | None = None
-    """Optimizer steps between checkpoints; None: one per epoch. Always one at the end."""
-    keep_checkpoints: int = 2
-    """How many of the newest checkpoints to keep."""
-    log_every: int | None = None
-    """Optimizer steps between metrics lines; None: about ten per epoch."""
-    eval_every: int | None = None
-    """Optimizer steps between test evaluations; None: at each epoch's end (and the run's)."""
-    progress: bool = True
-    """Show the progress bar (rank 0)."""
-    tensorboard: bool | None = None
-    """Write TensorBoard event files; None: when tensorboard is importable."""
-    eval_batch_size: int = 1024
-    """Per-worker batch size of evaluation."""
-    nan_policy: str = "stop"
-    """A non-finite loss without an fp16 loss scaler: `stop` ends the run with an error
-    naming the step (`NonFiniteLossError`, exit 1), keeping the last good checkpoint; `skip`
-    skips that optimizer step (counted as `nonfinite_skipped_steps`) and stops after
-    `MAX_NONFINITE_SKIPS` consecutive ones."""
-
-    def __post_init__(self) -> None:
-        if self.epochs is not None and self.steps is not None:
-            raise ConfigError("give --epochs or --steps, not both")
-        checks = [("epochs", self.epochs, 0), ("steps", self.steps, 1),
-                  ("checkpoint_every", self.checkpoint_every, 1), ("log_every", self.log_every, 1),
-                  ("eval_every", self.eval_every, 1),
-                  ("keep_checkpoints", self.keep_checkpoints, 1),
-                  ("eval_batch_size", self.eval_batch_size, 1)]
-        for name, value, low in checks:
-            if value is not None and not value >= low or (name == "epochs" and value == 0):
-                allowed = "> 0" if name == "epochs" else f">= {low}"
-                raise ConfigError(f"{name}={value} is out of range; allowed: {allowed}")
-        if self.nan_policy not in U.NAN_POLICIES:
-            raise ConfigError(f"nan_policy={self.nan_policy!r} is not valid; allowed: "
-                              f"{', '.join(U.NAN_POLICIES)}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def load_task(config: TrainConfig, world: World) -> Task:
     """The task, built on rank 0 first so a data-set cache is generated only once."""
     if world.rank == 0:
         task = get_task(config.task, **config.task_options)
-    U.barrier(world)
+    barrier(world)
     if world.rank != 0:
         task = get_task(config.task, **config.task_options)
     return task
@@ -164,7 +109,7 @@ def train(config: TrainConfig, strategy: Strategy, world: World | None = None) -
         trainer = _Trainer(config, strategy, world)
         summary = trainer.fit()
         if owns_group:  # and leave together
-            U.barrier(world)
+            barrier(world)
         return summary
     except BaseException as e:
         traceback.clear_frames(e.__traceback__)  # its frames would keep the trainer alive
@@ -186,7 +131,7 @@ class _Trainer:
         self.config, self.strategy, self.world = config, strategy, world
         self.out = Path(config.out)
         self.main = world.is_main
-        resume_from = U.prepare_out(config, world, OUTPUTS)
+        resume_from = prepare_out(config, world, OUTPUTS)
         self.task = task = load_task(config, world)
         self.model_name = task.check_model(config.model)
         ckpt = load_checkpoint(resume_from) if resume_from is not None else None
@@ -194,7 +139,7 @@ class _Trainer:
         plan, self.sampler, self.total_steps, spe = plan_run(
             config, strategy, task, world.world_size, world.rank, saved)
 
-        U.seed_everything(config.seed)
+        data.seed_everything(config.seed)
         model = task.build_model(self.model_name)
         if ckpt is not None:
             model.load_state_dict(ckpt["model"])
@@ -203,13 +148,13 @@ class _Trainer:
         if run.adaptive is not None and hasattr(run.adaptive, "limit_batch_size"):
             run.adaptive.limit_batch_size(len(task.train_set))
         self.samples, self.elapsed_before = 0, 0.0
-        self.guard = (U.NonFiniteGuard(config.nan_policy, world, world.device,
+        self.guard = (NonFiniteGuard(config.nan_policy, world, world.device,
                                        MAX_NONFINITE_SKIPS, config.out)
                       if run.scaler is None else None)
         if ckpt is not None:
             self._restore(ckpt)
         else:
-            U.seed_everything(config.seed * 1000 + world.rank + 1)  # per-worker streams (dropout)
+            data.seed_everything(config.seed * 1000 + world.rank + 1)  # per-worker streams (dropout)
         self._follow_plan()
         step_units = self.sampler.steps_per_epoch
         self.ckpt_every = config.checkpoint_every or step_units
@@ -226,7 +171,8 @@ class _Trainer:
         if ckpt is not None:
             self.bar.print(f"resuming {self.out} from step {run.step} (epoch "
                            f"{self.sampler.epoch}, sample {self.sampler.position})")
-            moved = U.resume_batch_line(saved, run, strategy) if saved is not None else None
+            moved = resume_line(saved, run.plan, run.world.world_size,
+                                                 run.unit_batch_size, strategy) if saved is not None else None
             if moved:
                 self.bar.print(moved)
         else:
@@ -244,7 +190,7 @@ class _Trainer:
         if len(rngs) == w.world_size:
             set_rng_state(rngs[w.rank])
         else:  # another world size: fresh but deterministic streams, one per worker
-            U.seed_everything(self.config.seed * 1000 + w.world_size * 100 + w.rank + self.run.step)
+            data.seed_everything(self.config.seed * 1000 + w.world_size * 100 + w.rank + self.run.step)
 
     def _follow_plan(self) -> None:
         """Make the sampler hand out the engine's current batch (it changes under goodput)."""
@@ -272,7 +218,7 @@ class _Trainer:
             for micro_batches in sampler:
                 skipped = False
                 for idx in micro_batches:
-                    batch = U.fetch(self.task.train_set, idx, device)
+                    batch = data.fetch(self.task.train_set, idx, device)
                     t0 = time.perf_counter()
                     with run.micro_step() as ms:  # forward, backward, (k-th) optimizer step
                         loss_sum, count = self.task.loss(run.model(batch[0]), batch)
@@ -339,10 +285,10 @@ class _Trainer:
     def evaluate(self) -> dict[str, float]:
         """Test metrics of rank 0's model; each worker evaluates a shard, sums are all-reduced."""
         t0 = time.perf_counter()
-        U.sync_buffers(self.run.module, self.world)
-        batches = U.shard_batches(self.task.test_set, self.world, self.config.eval_batch_size)
+        sync_buffers(self.run.module, self.world)
+        batches = data.shard_batches(self.task.test_set, self.world, self.config.eval_batch_size)
         metrics = self.task.evaluate(self.run.module, batches,
-                                     reduce=U.summed if self.world.is_distributed else None)
+                                     reduce=summed if self.world.is_distributed else None)
         self.timer["eval"] += time.perf_counter() - t0
         if self.main:
             step = self.run.step
@@ -353,7 +299,7 @@ class _Trainer:
 
     def checkpoint(self) -> None:
         t0 = time.perf_counter()
-        rngs = U.gather(rng_state(), self.world)
+        rngs = gather(rng_state(), self.world)
         if self.main:
             run = self.run
             save_checkpoint(self.out, run.step, {
@@ -403,7 +349,7 @@ class _Trainer:
                           if task.default_options else None),
             "strategy": self.strategy.to_dict(),
         }
-        U.sync_buffers(run.module, self.world)
+        sync_buffers(run.module, self.world)
         if self.main:
             torch.save(run.module.state_dict(), self.out / "final.pt")
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,0 +1,99 @@
+"""Data parallelism: DistributedDataParallel around the model, and the engine's comm hook.
+
+The hook wraps the reduction that actually combines gradients (DDP's all-reduce
+mean, or Adasum) and, when the noise scale needs it, measures each worker's
+gradient norm on the bucket before it is reduced. It is the only code here that
+runs per step.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from bigbatch.errors import ConfigError
+
+__all__ = ["CommState", "check_reduce", "wrap_data_parallel"]
+
+
+class CommState:
+    """State of the engine's DDP comm hook: the inner hook and what it measures."""
+
+    def __init__(self, inner: Callable, inner_state: Any, measure_local: bool) -> None:
+        self.inner = inner
+        """The hook that actually combines gradients (all-reduce mean or Adasum)."""
+        self.inner_state = inner_state
+        self.measure_local = measure_local
+        """Sum the squared norm of each bucket before it is reduced."""
+        self.local_sq: torch.Tensor | None = None
+        """Squared norm of this worker's gradient since the last reset (still loss-scaled)."""
+        self.calls = 0
+        """Buckets reduced so far (one collective each)."""
+
+    def take_local_sq(self) -> torch.Tensor | None:
+        value, self.local_sq = self.local_sq, None
+        return value
+
+
+def _engine_comm_hook(state, bucket):  # DDP inspects annotations; postponed ones fail its check
+    state.calls += 1
+    if state.measure_local:
+        # One scalar per bucket, taken before the inner hook divides or reduces in place.
+        sq = torch.linalg.vector_norm(bucket.buffer()).square()
+        state.local_sq = sq if state.local_sq is None else state.local_sq + sq
+    return state.inner(state.inner_state, bucket)
+
+
+def _adasum_hook() -> tuple[Callable, Any]:
+    try:
+        adasum = importlib.import_module("bigbatch.adaptive.adasum")
+    except ImportError:
+        raise ConfigError(
+            "data_parallel.reduce='adasum' needs bigbatch.adaptive.adasum, which is not available; "
+            "use reduce='mean'"
+        ) from None
+    hook = getattr(adasum, "adasum_hook", None)
+    if hook is None:
+        raise ConfigError("data_parallel.reduce='adasum': bigbatch.adaptive.adasum has no adasum_hook")
+    return hook, None
+
+
+def check_reduce(reduce: str) -> None:
+    """Validate `data_parallel.reduce` early, before any process group exists."""
+    if reduce not in ("mean", "adasum"):
+        raise ConfigError(f"data_parallel.reduce={reduce!r}: expected one of mean, adasum")
+    if reduce == "adasum":
+        _adasum_hook()
+
+
+def wrap_data_parallel(
+    model: nn.Module, device: torch.device, dp: Any, measure_local: bool
+) -> tuple[nn.Module, CommState | None]:
+    """DistributedDataParallel around `model`, plus our comm hook when one is needed.
+
+    Without Adasum or local-norm measurement DDP keeps its built-in C++
+    all-reduce, the fastest path; otherwise one Python hook wraps the inner one.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=float(dp.bucket_cap_mb),
+    )
+    reduce = getattr(dp, "reduce", "mean")
+    if reduce == "mean" and not measure_local:
+        return ddp, None
+    if reduce == "adasum":
+        inner, inner_state = _adasum_hook()
+    else:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        inner, inner_state = allreduce_hook, None
+    state = CommState(inner, inner_state, measure_local)
+    ddp.register_comm_hook(state, _engine_comm_hook)
+    return ddp, state

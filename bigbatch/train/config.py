@@ -1,0 +1,76 @@
+"""`TrainConfig`: what `bigbatch train` trains and where it writes (the Strategy says how)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from bigbatch.errors import ConfigError
+from bigbatch.train.nonfinite import NAN_POLICIES
+
+__all__ = ["MAX_NONFINITE_SKIPS", "TrainConfig"]
+
+MAX_NONFINITE_SKIPS = 10
+
+
+@dataclass
+class TrainConfig:
+    """What to train and where to write it (the Strategy says how)."""
+
+    task: str = "mnist1d"
+    """Built-in task name (see `bigbatch.tasks.TASKS`)."""
+    model: str | None = None
+    """Model of the task; None: the task's default."""
+    task_options: dict[str, Any] = field(default_factory=dict)
+    """Keyword options of the task (e.g. `num_samples` for mnist1d, `seq_len` for charlm)."""
+    epochs: float | None = None
+    """Training length in epochs; None with `steps` None: the task recipe's epochs."""
+    steps: int | None = None
+    """Training length in optimizer steps of the configured global batch, instead of epochs
+    (with AdaScale: steps of `batch.base_batch_size`). These are the schedule's units: a
+    resume whose global batch moved keeps counting steps of the first run's batch."""
+    seed: int = 0
+    """Seeds model init, the data order and every worker's RNGs."""
+    out: str = "runs/train"
+    """Output directory (rank 0 writes; must be shared storage across nodes to resume)."""
+    resume: bool = False
+    """Continue from the latest checkpoint in `out`."""
+    checkpoint_every: int | None = None
+    """Optimizer steps between checkpoints; None: one per epoch. Always one at the end."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep."""
+    log_every: int | None = None
+    """Optimizer steps between metrics lines; None: about ten per epoch."""
+    eval_every: int | None = None
+    """Optimizer steps between test evaluations; None: at each epoch's end (and the run's)."""
+    progress: bool = True
+    """Show the progress bar (rank 0)."""
+    tensorboard: bool | None = None
+    """Write TensorBoard event files; None: when tensorboard is importable."""
+    eval_batch_size: int = 1024
+    """Per-worker batch size of evaluation."""
+    nan_policy: str = "stop"
+    """A non-finite loss without an fp16 loss scaler: `stop` ends the run with an error
+    naming the step (`NonFiniteLossError`, exit 1), keeping the last good checkpoint; `skip`
+    skips that optimizer step (counted as `nonfinite_skipped_steps`) and stops after
+    `MAX_NONFINITE_SKIPS` consecutive ones."""
+
+    def __post_init__(self) -> None:
+        if self.epochs is not None and self.steps is not None:
+            raise ConfigError("give --epochs or --steps, not both")
+        checks = [("epochs", self.epochs, 0), ("steps", self.steps, 1),
+                  ("checkpoint_every", self.checkpoint_every, 1), ("log_every", self.log_every, 1),
+                  ("eval_every", self.eval_every, 1),
+                  ("keep_checkpoints", self.keep_checkpoints, 1),
+                  ("eval_batch_size", self.eval_batch_size, 1)]
+        for name, value, low in checks:
+            if value is not None and not value >= low or (name == "epochs" and value == 0):
+                allowed = "> 0" if name == "epochs" else f">= {low}"
+                raise ConfigError(f"{name}={value} is out of range; allowed: {allowed}")
+        if self.nan_policy not in NAN_POLICIES:
+            raise ConfigError(f"nan_policy={self.nan_policy!r} is not valid; allowed: "
+                              f"{', '.join(NAN_POLICIES)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
