@@ -365,7 +365,8 @@ def test_stopped_worker_under_torchrun_is_restarted_and_ends_with_the_same_weigh
 
 
 def test_timeout_flag_sets_the_collective_and_rendezvous_timeouts(tmp_path):
-    from bigbatch.cli.main import _launcher_argv, build_parser, resolve
+    from bigbatch.cli.main import build_parser
+    from bigbatch.cli.train import _launcher_argv, resolve
 
     argv = ["train", "--out", str(tmp_path), "--nproc", "2", "--timeout", "42.5"]
     args = build_parser("train").parse_args(argv)

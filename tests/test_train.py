@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import bigbatch.train.trainer as T
-from bigbatch.cli.main import _launcher_argv, _strip_launch_flags, build_parser, main, resolve
+from bigbatch.cli.main import build_parser, main
+from bigbatch.cli.train import _launcher_argv, _strip_launch_flags, resolve
 from bigbatch.config.strategy import Strategy
 from bigbatch.tasks import get_task
 from bigbatch.train.trainer import TrainConfig, train

@@ -18,14 +18,6 @@ from typing import Any
 
 from bigbatch.cli.argtypes import task_options
 from bigbatch.errors import ConfigError
-from bigbatch.parallel.world import World, init_distributed, teardown
-from bigbatch.study.noise_scale import (
-    critical_batch,
-    default_strategy,
-    format_report,
-    load_task,
-    measure_noise_scale,
-)
 
 __all__ = ["GNS_DESCRIPTION", "GNS_HELP", "add_gns_arguments", "main", "run_gns_command"]
 
@@ -98,6 +90,14 @@ def run_gns_command(args: argparse.Namespace) -> int:
     `python -m torch.distributed.run --standalone`. Raises ConfigError on user mistakes.
     """
     from bigbatch.config.strategy import Strategy
+    from bigbatch.parallel.world import World, init_distributed, teardown
+    from bigbatch.study.noise_scale import (
+        critical_batch,
+        default_strategy,
+        format_report,
+        load_task,
+        measure_noise_scale,
+    )
     from bigbatch.tasks import get_task
 
     for name, low in (("points", 1), ("steps_per_point", 1), ("nproc", 1), ("steps", 1)):

@@ -14,7 +14,6 @@ from bigbatch.cli.argtypes import number as _float
 from bigbatch.cli.argtypes import positive_int as _positive_int
 from bigbatch.cli.argtypes import task_options
 from bigbatch.errors import ConfigError
-from bigbatch.study.sweep import run_study
 
 __all__ = ["add_study_arguments", "config_from_args", "parse_batches", "parse_overrides",
            "parse_strategies"]
@@ -156,6 +155,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 def run_study_command(args: argparse.Namespace) -> int:
     """`bigbatch study` after parsing; one-line errors, exit status 2 on user mistakes."""
+    from bigbatch.study.sweep import run_study
+
     try:
         config = config_from_args(args)
         argv = sys.argv[1:]

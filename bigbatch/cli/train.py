@@ -1,0 +1,235 @@
+"""`bigbatch train`: its flags, the TrainConfig and Strategy they make (a resume fills in
+what is not given), and the launch of N workers through torchrun's own launcher."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from bigbatch.cli.argtypes import nonneg_int as _nonneg_int
+from bigbatch.cli.argtypes import positive_float as _positive_float
+from bigbatch.cli.argtypes import positive_int as _positive_int
+from bigbatch.cli.argtypes import task_options
+from bigbatch.cli.preflight import preflight
+from bigbatch.errors import ConfigError
+
+__all__ = ["add_train_arguments", "default_nproc", "resolve", "run_train_command"]
+
+EXIT_USAGE = 2
+TRAIN_HELP = "train a built-in task under a Strategy"
+TRAIN_DESCRIPTION = ("Train a built-in task with a large-batch Strategy. With no arguments: the "
+                     "task's demo (LARS at global batch 4096 on MNIST-1D) and its small-batch "
+                     "baseline.")
+
+# torchrun flags we pass through unchanged: our flag -> torchrun's flag.
+LAUNCHER_FLAGS = {
+    "--nnodes": "--nnodes",
+    "--node-rank": "--node-rank",
+    "--rdzv-endpoint": "--rdzv-endpoint",
+    "--rdzv-backend": "--rdzv-backend",
+    "--rdzv-id": "--rdzv-id",
+    "--max-restarts": "--max-restarts",
+}
+
+
+def _nproc(text: str) -> int | str:
+    return "auto" if text == "auto" else _positive_int(text)
+
+
+def default_nproc() -> int:
+    """`--nproc auto`: one worker per GPU; on CPU two workers when there are two cores.
+
+    The demo then runs data-parallel through torchrun, as on a cluster, at about the
+    speed of one two-threaded worker (benchmarks/train_throughput.py: 0.90-1.02x on a
+    quiet 2-core machine; 1.5x once on a loaded one).
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return 2 if (os.cpu_count() or 1) >= 2 else 1
+
+
+def add_train_arguments(t: argparse.ArgumentParser) -> None:
+    """The flags of `bigbatch train`."""
+    t.add_argument("--config", metavar="FILE", help="strategy TOML (default: the task's demo)")
+    t.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append",
+                   default=[], help="override one strategy key (repeatable)")
+    t.add_argument("--task", help="built-in task: mnist1d (default) or charlm")
+    t.add_argument("--model", help="model of the task (mnist1d: cnn, mlp; charlm: transformer)")
+    t.add_argument("--task-opt", dest="task_options", metavar="KEY=VALUE", action="append",
+                   default=[], help="task option, e.g. num_samples=5000 (repeatable)")
+    length = t.add_mutually_exclusive_group()
+    length.add_argument("--epochs", type=_positive_float, help="epochs (default: the recipe's)")
+    length.add_argument("--steps", type=_positive_int, help="optimizer steps instead of epochs")
+    t.add_argument("--seed", type=int, help="seed of init, data order and RNGs (default 0)")
+    t.add_argument("--out", help="output directory (default runs/train)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --out")
+    t.add_argument("--checkpoint-every", type=_positive_int, metavar="N",
+                   help="optimizer steps between checkpoints (default: once per epoch)")
+    t.add_argument("--log-every", type=_positive_int, metavar="N",
+                   help="optimizer steps between metrics lines (default: ~10 per epoch)")
+    t.add_argument("--eval-every", type=_positive_int, metavar="N",
+                   help="optimizer steps between test evaluations (default: once per epoch)")
+    t.add_argument("--keep-checkpoints", type=_positive_int, metavar="K",
+                   help="how many of the newest checkpoints to keep (default 2)")
+    t.add_argument("--timeout", type=_positive_float, metavar="SECONDS",
+                   help="seconds a worker waits for its peers in a collective or the "
+                   "rendezvous (= --set data_parallel.timeout_s=SECONDS; default 300)")
+    t.add_argument("--nan-policy", choices=("stop", "skip"),
+                   help="on a non-finite loss (fp32/bf16): stop with an error, exit 1 "
+                   "(default), or skip the step (stops after 10 in a row)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard event files")
+    launch = t.add_argument_group("launch (torchrun)")
+    launch.add_argument("--nproc", type=_nproc, metavar="N",
+                        help="workers on this machine, started through torch.distributed.run "
+                        "(default auto: one per GPU, else 2 on a CPU with 2+ cores)")
+    launch.add_argument("--nnodes", help="number of machines, or MIN:MAX (torchrun)")
+    launch.add_argument("--node-rank", type=_nonneg_int, help="rank of this machine (torchrun)")
+    launch.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="rendezvous (torchrun)")
+    launch.add_argument("--rdzv-backend", help="rendezvous backend (torchrun, default c10d)")
+    launch.add_argument("--rdzv-id", help="job id for the rendezvous (torchrun)")
+    launch.add_argument("--max-restarts", type=_nonneg_int,
+                        help="restarts of the worker group on failure (torchrun)")
+
+
+def under_launcher() -> bool:
+    """True inside a worker started by torchrun (or anything that set its environment)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def resolve(args: argparse.Namespace):
+    """(TrainConfig, Strategy) from the flags; on --resume, the saved run fills what is not given."""
+    from bigbatch.config.strategy import Strategy
+    from bigbatch.tasks import task_class
+    from bigbatch.train.trainer import RUN_FILE, TrainConfig
+
+    out = Path(args.out or "runs/train")
+    resume = args.resume or (
+        # torchrun --max-restarts restarts every worker with the same arguments: continue.
+        int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+        and (out / "checkpoints").is_dir()
+    )
+    saved: dict = {}
+    if resume:
+        from bigbatch.train.checkpoint import latest_checkpoint
+
+        if latest_checkpoint(out) is None:
+            raise ConfigError(f"--resume: no checkpoint in {out / 'checkpoints'}")
+        try:
+            saved = json.loads((out / RUN_FILE).read_text())
+        except (OSError, ValueError):
+            saved = {}
+    given = {
+        "task": args.task, "model": args.model, "epochs": args.epochs, "steps": args.steps,
+        "seed": args.seed, "checkpoint_every": args.checkpoint_every,
+        "log_every": args.log_every, "eval_every": args.eval_every,
+        "keep_checkpoints": args.keep_checkpoints, "nan_policy": args.nan_policy,
+    }
+    fields = {k: v for k, v in saved.items() if k in TrainConfig.__dataclass_fields__}
+    if args.epochs is not None or args.steps is not None:  # a new length replaces the old one
+        fields.pop("epochs", None)
+        fields.pop("steps", None)
+    fields.update({k: v for k, v in given.items() if v is not None})
+    if args.task_options:
+        fields["task_options"] = task_options(args.task_options)
+    fields.update(out=str(out), resume=resume, progress=not args.no_progress)
+    if args.no_tensorboard:
+        fields["tensorboard"] = False
+    config = TrainConfig(**fields)
+
+    cls = task_class(config.task)
+    if args.config is not None:
+        strategy = Strategy.from_toml(Path(args.config))
+    elif resume and (out / "strategy.toml").is_file():
+        strategy = Strategy.from_toml(out / "strategy.toml")
+    else:
+        strategy = Strategy.from_toml(cls.demo_strategy)
+    overrides = list(args.overrides)
+    if args.timeout is not None:
+        overrides.append(f"data_parallel.timeout_s={args.timeout}")
+    strategy = strategy.with_overrides(overrides)
+    if config.model is not None and config.model not in cls.models:
+        raise ConfigError(
+            f"model={config.model!r} is not a model of task {config.task!r}; "
+            f"valid: {', '.join(cls.models)}"
+        )
+    return config, strategy
+
+
+def _launcher_argv(args: argparse.Namespace, argv: list[str]) -> list[str]:
+    """`python -m torch.distributed.run ... -m bigbatch train <argv without launch flags>`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc)]
+    multi_node = args.rdzv_endpoint is not None or (args.nnodes not in (None, "1", "1:1"))
+    if not multi_node:
+        cmd.append("--standalone")
+    for flag, dest in LAUNCHER_FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            cmd += [dest, str(value)]
+    if multi_node and args.rdzv_backend is None:
+        cmd += ["--rdzv-backend", "c10d"]
+    if args.timeout is not None:  # bounds torchrun's rendezvous too (its default: 600 s)
+        cmd += ["--rdzv-conf", f"join_timeout={max(1, round(args.timeout))}"]
+    cmd += ["-m", "bigbatch", *_strip_launch_flags(argv)]
+    return cmd
+
+
+def _strip_launch_flags(argv: list[str]) -> list[str]:
+    drop = {"--nproc", *LAUNCHER_FLAGS}
+    out, skip = [], False
+    for tok in argv:
+        if skip:
+            skip = False
+            continue
+        name = tok.split("=", 1)[0]
+        if name in drop:
+            skip = "=" not in tok
+            continue
+        out.append(tok)
+    return out
+
+
+def _launch(args: argparse.Namespace, argv: list[str], config, strategy) -> int:
+    nnodes = args.nnodes
+    if nnodes is not None and not all(p.isdigit() and int(p) >= 1 for p in nnodes.split(":")):
+        raise ConfigError(f"--nnodes={nnodes!r}: expected N or MIN:MAX with integers >= 1")
+    # Batch and schedule mistakes: now, not per worker (unknown with an elastic MIN:MAX).
+    preflight(config, strategy,
+              args.nproc * int(nnodes or 1) if nnodes is None or nnodes.isdigit() else None)
+    cmd = _launcher_argv(args, argv)
+    env = dict(os.environ)
+    if "OMP_NUM_THREADS" not in env:  # torchrun would pick 1 and print a banner about it
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.nproc))
+    try:
+        return subprocess.call(cmd, env=env)
+    except KeyboardInterrupt:
+        return 130
+
+
+def run_train_command(args: argparse.Namespace, argv: list[str], config: Any,
+                      strategy: Any) -> int:
+    """`bigbatch train` after `resolve`: launch workers through torchrun, or train here.
+
+    Raises ConfigError on user mistakes (the caller prints one line and exits 2).
+    """
+    if args.nproc in (None, "auto"):
+        args.nproc = default_nproc() if not under_launcher() else 1
+    launching = not under_launcher() and (
+        args.nproc > 1 or args.nnodes is not None or args.rdzv_endpoint is not None)
+    if launching:
+        return _launch(args, argv, config, strategy)
+    from bigbatch.train.trainer import train
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1") or 1) if under_launcher() else 1
+    preflight(config, strategy, world_size)
+    train(config, strategy)
+    return 0
