@@ -34,12 +34,14 @@ def test_step_time_by_hand():
     p = ThroughputParams(alpha_c=1.0, beta_c=0.5, alpha_n=2.0, beta_n=1.0, gamma=1.0)
     assert step_time(p, 4, 1, 1) == pytest.approx(3.0)  # no sync on one worker
     assert step_time(p, 4, 3, 1) == pytest.approx(9.0)
-    assert step_time(p, 4, 1, 3) == pytest.approx(3.0 + 4.0)  # gamma 1: times add
-    assert step_time(p, 4, 2, 3) == pytest.approx(3.0 + 3.0 + 4.0)
+    # Pollux: T_sync = alpha_n + beta_n (n - 2) from two workers on: alpha_n alone at n = 2.
+    assert step_time(p, 4, 1, 2) == pytest.approx(3.0 + 2.0)  # gamma 1: times add
+    assert step_time(p, 4, 1, 3) == pytest.approx(3.0 + 3.0)
+    assert step_time(p, 4, 2, 4) == pytest.approx(3.0 + 3.0 + 4.0)
     p2 = ThroughputParams(1.0, 0.5, 2.0, 1.0, gamma=2.0)
-    assert step_time(p2, 4, 2, 3) == pytest.approx(3.0 + 5.0)  # sqrt(3^2 + 4^2)
+    assert step_time(p2, 4, 2, 4) == pytest.approx(3.0 + 5.0)  # sqrt(3^2 + 4^2)
     p_big = ThroughputParams(1.0, 0.5, 2.0, 1.0, gamma=200.0)
-    assert step_time(p_big, 4, 1, 3) == pytest.approx(4.0, rel=0.01)  # near the max
+    assert step_time(p_big, 4, 1, 4) == pytest.approx(4.0, rel=0.01)  # near the max
     out = step_time(p, np.array([4, 8]), np.array([1, 1]), np.array([1, 1]))
     np.testing.assert_allclose(out, [3.0, 5.0])
 
@@ -142,7 +144,7 @@ def test_picks_brute_force_optimum_with_merge_and_workers():
                 continue
             t = (k - 1) * (TRUE.alpha_c + TRUE.beta_c * m) + (
                 (TRUE.alpha_c + TRUE.beta_c * m) ** TRUE.gamma
-                + (TRUE.alpha_n + TRUE.beta_n * (world - 1)) ** TRUE.gamma
+                + (TRUE.alpha_n + TRUE.beta_n * (world - 2)) ** TRUE.gamma
             ) ** (1 / TRUE.gamma)
             g = b / t * (phi + base) / (phi + b)
             if g > best_good:

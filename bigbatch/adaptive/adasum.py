@@ -36,23 +36,22 @@ import torch.distributed as dist
 __all__ = ["adasum", "adasum_allreduce", "adasum_hook", "adasum_reduce"]
 
 
-def _acc_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 def adasum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Pairwise Adasum of two same-shape tensors, treated as one vector each.
 
-    Dot products accumulate in float32 (float64 for float64); the result has ``a``'s dtype.
-    A zero-norm operand contributes nothing and leaves the other unchanged. No host sync.
+    The dot products and squared norms accumulate in float64 whatever the input dtype,
+    as Horovod's do: in float32, gradients near float32's smallest normal give
+    products that underflow to 0, and the result would be the sum instead of the
+    Adasum. The combination itself runs in the input dtype. A zero-norm operand
+    contributes nothing and leaves the other unchanged. No host sync.
     """
-    acc = _acc_dtype(a)
-    x, y = a.reshape(-1).to(acc), b.reshape(-1).to(acc)
-    dot, xx, yy = torch.dot(x, y), torch.dot(x, x), torch.dot(y, y)
-    tiny = torch.finfo(acc).tiny
+    x, y = a.reshape(-1), b.reshape(-1)
+    x64, y64 = x.double(), y.double()
+    dot, xx, yy = torch.dot(x64, y64), torch.dot(x64, x64), torch.dot(y64, y64)
+    tiny = torch.finfo(torch.float64).tiny
     cx = torch.where(xx > 0, 1.0 - dot / (2.0 * xx.clamp_min(tiny)), torch.ones_like(xx))
     cy = torch.where(yy > 0, 1.0 - dot / (2.0 * yy.clamp_min(tiny)), torch.ones_like(yy))
-    return (cx * x + cy * y).to(a.dtype).reshape(a.shape)
+    return (cx.to(x.dtype) * x + cy.to(y.dtype) * y).reshape(a.shape)
 
 
 def adasum_reduce(vectors: Sequence[torch.Tensor]) -> torch.Tensor:

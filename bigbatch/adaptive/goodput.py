@@ -6,7 +6,8 @@ example at batch ``B`` is worth compared with one at the base batch ``B0``.
 
 **Throughput** (Pollux eq. 9-11, one node kind): a micro-step of ``m`` examples computes for
 ``T_grad(m) = alpha_c + beta_c m`` seconds; on ``n > 1`` workers the gradient sync takes
-``T_sync(n) = alpha_n + beta_n (n - 1)`` and overlaps the last micro-step's backward pass,
+``T_sync(n) = alpha_n + beta_n (n - 2)`` (Pollux's form: ``alpha_n`` is the sync
+on two workers) and overlaps the last micro-step's backward pass,
 so one optimizer step with ``k`` merge steps takes::
 
     T(m, k, n) = (k - 1) T_grad + (T_grad^gamma + T_sync^gamma)^(1 / gamma)

@@ -1,7 +1,7 @@
 """The step-time model of `bigbatch.adaptive.goodput` and its fit to measured step times.
 
 ``T(m, k, n) = (k - 1) T_grad + (T_grad^gamma + T_sync^gamma)^(1 / gamma)`` with
-``T_grad = alpha_c + beta_c m`` and ``T_sync = alpha_n + beta_n (n - 1)`` (Pollux eq.
+``T_grad = alpha_c + beta_c m`` and ``T_sync = alpha_n + beta_n (n - 2)`` for ``n >= 2`` (Pollux eq.
 9-11); `bigbatch.adaptive.goodput`'s docstring says how the fit fixes what the samples cannot tell
 apart. Everything public here is re-exported by `bigbatch.adaptive.goodput`.
 """
@@ -30,9 +30,9 @@ class ThroughputParams:
     beta_c: float
     """Time per example of one micro-step."""
     alpha_n: float = 0.0
-    """Fixed time of one gradient sync on more than one worker."""
+    """Time of one gradient sync on two workers."""
     beta_n: float = 0.0
-    """Extra sync time per additional worker."""
+    """Extra sync time per worker beyond two."""
     gamma: float = 1.0
     """Overlap of sync with the last backward pass: 1 none, large values full."""
 
@@ -41,7 +41,8 @@ def step_time(params: ThroughputParams, micro: Any, k: Any, world: Any) -> Any:
     """Seconds per optimizer step; broadcasts over numpy arrays of ``micro``, ``k``, ``world``."""
     m, k, n = (np.asarray(v, dtype=np.float64) for v in (micro, k, world))
     t_grad = params.alpha_c + params.beta_c * m
-    t_sync = np.where(n > 1, params.alpha_n + params.beta_n * (n - 1), 0.0)
+    # Pollux (and AdaptDL's _predict_network_time): alpha is the cost at two workers.
+    t_sync = np.where(n > 1, params.alpha_n + params.beta_n * np.maximum(n - 2, 0.0), 0.0)
     top = np.maximum(np.maximum(t_grad, t_sync), 1e-300)
     g = params.gamma
     last = top * ((t_grad / top) ** g + (t_sync / top) ** g) ** (1.0 / g)
@@ -129,7 +130,7 @@ def fit_throughput(
     if sync != "none":
         cols.append(multi.astype(np.float64))
     if sync == "free":
-        cols.append(np.where(multi, n - 1.0, 0.0))
+        cols.append(np.where(multi, np.maximum(n - 2.0, 0.0), 0.0))
     design = np.stack(cols, 1) / t[:, None]  # relative error, like the log residuals
     lin, *_ = np.linalg.lstsq(design * w[:, None], w, rcond=None)
     floor = 1e-6 * float(np.median(t))
