@@ -30,7 +30,7 @@ from ._steps import adam_direction, lamb_trust_ratio
 # Elements per chunk: five fp32 arrays of this size (g, m, v, u, w) stay within
 # a typical L2 + L3 slice, while a chunk is large enough that per-call overhead
 # stays small against its memory time.
-CHUNK = 1 << 16
+CHUNK = 1 << 18
 
 
 class LambScratch:
@@ -71,28 +71,43 @@ def lamb_step_per_tensor(scratch: LambScratch, group: dict, w: torch.Tensor,
                        int(step.item()) if group["bias_correction"] else None)
         if wd:
             u.add_(w, alpha=wd)
-        w_sq, u_sq = (n.square() for n in torch._foreach_norm([w, u]))
+        w_norm, u_norm = torch._foreach_norm([w, u])
     else:
         u = scratch.like(w)
-        count = step if group["bias_correction"] else _INF_STEP
-        flat = [_memory_order(t) for t in (u, g, m, v, w)]
-        sums = torch.zeros(2, dtype=torch.float64)
-        for start in range(0, w.numel(), CHUNK):
-            uc, gc, mc, vc, wc = (t[start:start + CHUNK] for t in flat)
-            uc.zero_()
-            # lr = -1 on a zero "parameter" leaves exactly r = m_hat / (sqrt(v_hat) + eps).
+        count = step if group["bias_correction"] else _inf_step(w.device)
+        norms: list[torch.Tensor] = []
+        for uc, gc, mc, vc, wc in _chunks(u, g, m, v, w):
+            # u starts as weight_decay * w; the fused kernel then adds r
+            # (lr = -1 on the "parameter" u), so u = r + weight_decay * w in one sweep.
+            if wd:
+                torch.mul(wc, wd, out=uc)
+            else:
+                uc.zero_()
             torch._fused_adam_([uc], [gc], [mc], [vc], [], [count], lr=-1.0, beta1=beta1,
                                beta2=beta2, weight_decay=0.0, eps=eps, amsgrad=False,
                                maximize=False)
-            if wd:
-                uc.add_(wc, alpha=wd)
             if adapt:
-                sums += torch.stack(torch._foreach_norm([wc, uc])).double().square()
-        w_sq, u_sq = sums.to(w.dtype).unbind()
-    ratio = lamb_trust_ratio(w_sq.sqrt(), u_sq.sqrt(), group["trust_clip"]).item() \
-        if adapt else 1.0
+                norms += torch._foreach_norm([wc, uc])
+        if len(norms) == 2:
+            w_norm, u_norm = norms
+        elif adapt:  # the chunks' norms combine as the root of their sum of squares
+            w_norm, u_norm = torch.stack(norms).view(-1, 2).square().sum(0).sqrt().unbind()
+    ratio = lamb_trust_ratio(w_norm, u_norm, group["trust_clip"]).item() if adapt else 1.0
     w.sub_(u, alpha=lr * ratio)
     return ratio
 
 
-_INF_STEP = torch.tensor(float("inf"))
+def _chunks(*tensors: torch.Tensor):
+    """Matching memory-order chunks of same-layout dense tensors (whole when small)."""
+    n = tensors[0].numel()
+    if n <= CHUNK:
+        yield tensors
+        return
+    flat = [_memory_order(t) for t in tensors]
+    for start in range(0, n, CHUNK):
+        yield tuple(t[start:start + CHUNK] for t in flat)
+
+
+def _inf_step(device: torch.device) -> torch.Tensor:
+    # An infinite step makes 1 - beta^t exactly 1: the fused kernel without bias correction.
+    return torch.full((), float("inf"), device=device)
