@@ -1,15 +1,18 @@
 """Time one optimizer step of LARS / LAMB against torch's own optimizers.
 
-Parameter sets shaped like ResNet-50 (161 tensors, 25.6 M parameters) and
-BERT-base (~110 M parameters), fp32, random gradients. Baselines are measured
-in the same run, interleaved round by round so machine noise hits all of them
-alike: torch AdamW and SGD(momentum=0.9) in each mode this machine offers
-(fused, foreach, for-loop), and torch_optimizer.Lamb when installed.
+Parameter sets shaped like ResNet-50 (161 tensors, 25.6 M parameters),
+BERT-base (~110 M) and BERT-large (~335 M), fp32, random gradients. Baselines
+are measured in the same run, interleaved round by round so machine noise hits
+all of them alike: torch AdamW and SGD(momentum=0.9) in each mode this machine
+offers (fused, foreach, for-loop), and torch_optimizer.Lamb when installed.
+LARS and LAMB run in each kernel mode (per_tensor, multi_tensor, reference).
 
-    python benchmarks/optim_step.py [--model resnet50|bert|both] [--rounds 15]
+    python benchmarks/optim_step.py [--model resnet50|bert|bert-large|both]
+        [--device cpu|cuda] [--rounds 15]
 
 Prints the median milliseconds per step and ratios: LAMB against AdamW and
-LARS against SGD, each against the fastest mode of the baseline.
+LARS against SGD, each against the fastest mode of the baseline. On CUDA each
+step is timed between ``torch.cuda.synchronize()`` calls.
 """
 
 from __future__ import annotations
@@ -44,20 +47,28 @@ def bert_base_shapes() -> list[tuple[int, ...]]:
     return shapes + [(h, h), (h,)]
 
 
-def make_params(shapes, seed=0) -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(seed)
+def bert_large_shapes() -> list[tuple[int, ...]]:
+    h, ff = 1024, 4096
+    shapes: list[tuple[int, ...]] = [(30522, h), (512, h), (2, h), (h,), (h,)]
+    for _ in range(24):
+        shapes += [(h, h), (h,)] * 4 + [(h,), (h,), (ff, h), (ff,), (h, ff), (h,), (h,), (h,)]
+    return shapes + [(h, h), (h,)]
+
+
+def make_params(shapes, device="cpu", seed=0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator(device=device).manual_seed(seed)
     params = []
     for s in shapes:
-        p = torch.nn.Parameter(torch.randn(s, generator=gen) * 0.02)
-        p.grad = torch.randn(s, generator=gen) * 1e-3
+        p = torch.nn.Parameter(torch.randn(s, generator=gen, device=device) * 0.02)
+        p.grad = torch.randn(s, generator=gen, device=device) * 1e-3
         params.append(p)
     return params
 
 
-def candidates(shapes):
+def candidates(shapes, device):
     """(label, family, factory) for every optimizer timed."""
     def mk(factory):
-        return lambda: factory(make_params(shapes))
+        return lambda: factory(make_params(shapes, device))
 
     out = []
     for mode in ("fused", "foreach", "for-loop"):
@@ -67,10 +78,12 @@ def candidates(shapes):
                     mk(lambda p, kw=kw: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, **kw))))
         out.append((f"torch SGD m=0.9 ({mode})", "sgd",
                     mk(lambda p, kw=kw: torch.optim.SGD(p, lr=0.1, momentum=0.9, **kw))))
-    out.append(("bigbatch LAMB", "lamb", mk(lambda p: LAMB(p, lr=1e-3))))
-    out.append(("bigbatch LAMB (reference)", "lamb-ref", mk(lambda p: LAMB(p, lr=1e-3, fast=False))))
-    out.append(("bigbatch LARS", "lars", mk(lambda p: LARS(p, lr=0.1))))
-    out.append(("bigbatch LARS (reference)", "lars-ref", mk(lambda p: LARS(p, lr=0.1, fast=False))))
+    for kernel in ("per_tensor", "multi_tensor", "reference"):
+        fam = "" if kernel != "reference" else "-ref"
+        out.append((f"bigbatch LAMB ({kernel})", "lamb" + fam,
+                    mk(lambda p, k=kernel: LAMB(p, lr=1e-3, kernel=k))))
+        out.append((f"bigbatch LARS ({kernel})", "lars" + fam,
+                    mk(lambda p, k=kernel: LARS(p, lr=0.1, kernel=k))))
     try:
         import torch_optimizer
         out.append(("torch_optimizer.Lamb", "lamb-other",
@@ -80,9 +93,10 @@ def candidates(shapes):
     return out
 
 
-def bench(shapes, rounds: int) -> dict[str, tuple[str, float]]:
+def bench(shapes, rounds: int, device: str) -> dict[str, tuple[str, float]]:
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     opts = []
-    for label, family, factory in candidates(shapes):
+    for label, family, factory in candidates(shapes, device):
         try:
             opt = factory()
             opt.step()
@@ -94,17 +108,21 @@ def bench(shapes, rounds: int) -> dict[str, tuple[str, float]]:
     times: dict[str, list[float]] = {label: [] for label, _, _ in opts}
     for _ in range(rounds):
         for label, _, opt in opts:
+            sync()
             t0 = time.perf_counter()
             opt.step()
+            sync()
             times[label].append(time.perf_counter() - t0)
     return {label: (family, statistics.median(times[label]) * 1e3) for label, family, _ in opts}
 
 
-def report(name: str, shapes, rounds: int) -> None:
+def report(name: str, shapes, rounds: int, device: str) -> None:
     numel = sum(torch.Size(s).numel() for s in shapes)
+    where = torch.cuda.get_device_name() if device == "cuda" else \
+        f"{torch.get_num_threads()} threads"
     print(f"\n{name}: {len(shapes)} tensors, {numel / 1e6:.1f} M fp32 parameters, "
-          f"{torch.get_num_threads()} threads, median of {rounds} steps")
-    res = bench(shapes, rounds)
+          f"{where}, median of {rounds} steps")
+    res = bench(shapes, rounds, device)
     best = {}
     for fam in ("adamw", "sgd"):
         entries = [(ms, label) for label, (f, ms) in res.items() if f == fam]
@@ -125,13 +143,17 @@ def report(name: str, shapes, rounds: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=["resnet50", "bert", "both"], default="both")
+    ap.add_argument("--model", choices=["resnet50", "bert", "bert-large", "both"],
+                    default="both")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
     if args.model in ("resnet50", "both"):
-        report("ResNet-50-shaped", resnet50_shapes(), args.rounds)
+        report("ResNet-50-shaped", resnet50_shapes(), args.rounds, args.device)
     if args.model in ("bert", "both"):
-        report("BERT-base-shaped", bert_base_shapes(), args.rounds)
+        report("BERT-base-shaped", bert_base_shapes(), args.rounds, args.device)
+    if args.model == "bert-large":
+        report("BERT-large-shaped", bert_large_shapes(), args.rounds, args.device)
 
 
 if __name__ == "__main__":

@@ -91,17 +91,50 @@ def test_lars_trust_clip_caps_local_lr_at_lr(fast, clip):
     kw = {**LARS_KW, "trust_coefficient": 1.0}
     p, opt = make(LARS, fast=fast, trust_clip=clip, **kw)
     step(p, opt, G1)
-    unclipped = 0.1 * 1.0 * 5.0 / (1.0 + 0.1 * 5.0)  # = 1/3 > lr
-    local = 0.1 if clip else unclipped
+    adaptive = 1.0 * 5.0 / (1.0 + 0.1 * 5.0)  # = 10/3
+    # LARC (Ginsburg et al.; apex LARC(clip=True)): local_lr = min(adaptive, lr) = lr here
+    local = 0.1 if clip else 0.1 * adaptive
     close(p, (3.0 - local * 0.9, 4.0 - local * 1.2))
     close(opt.trust_ratios(), (local / 0.1,))
 
 
 @FAST
-def test_lars_trust_clip_leaves_small_local_lr(fast):
+def test_larc_uses_adaptive_rate_itself_below_lr(fast):
+    # LARC's clipping mode does not multiply by lr: local_lr = min(adaptive, lr).
     p, opt = make(LARS, fast=fast, trust_clip=True, **LARS_KW)
     step(p, opt, G1)
-    close(p, (3.0 - 0.003, 4.0 - 0.004))
+    adaptive = 0.01 * 5.0 / (1.0 + 0.1 * 5.0)  # = 1/30 < lr = 0.1
+    d = (0.6 + 0.1 * 3.0, 0.8 + 0.1 * 4.0)
+    close(p, (3.0 - adaptive * d[0], 4.0 - adaptive * d[1]))  # (2.97, 3.96)
+    close(opt.velocity(p), (adaptive * d[0], adaptive * d[1]))
+    close(opt.trust_ratios(), (adaptive / 0.1,))
+
+
+@FAST
+def test_larc_lr_caps_as_lr_changes(fast):
+    # apex: adaptive_lr = min(adaptive / lr, 1), then the wrapped SGD multiplies by lr.
+    p, opt = make(LARS, fast=fast, trust_clip=True, **{**LARS_KW, "momentum": 0.0})
+    step(p, opt, G1, lr=0.02)
+    adaptive = 0.01 * 5.0 / (1.0 + 0.1 * 5.0)  # 1/30 > lr = 0.02: capped
+    w1 = (3.0 - 0.02 * 0.9, 4.0 - 0.02 * 1.2)
+    close(p, w1)
+    step(p, opt, G2, lr=1.0)
+    n1 = math.hypot(*w1)
+    adaptive = 0.01 * n1 / (1.0 + 0.1 * n1)  # < lr = 1: used as it is
+    close(p, (w1[0] - adaptive * (0.0 + 0.1 * w1[0]), w1[1] - adaptive * (1.0 + 0.1 * w1[1])))
+
+
+@FAST
+@pytest.mark.parametrize("clip", [False, True])
+def test_lars_zero_norm_uses_lr_in_both_modes(fast, clip):
+    p, opt = make(LARS, w0=(0.0, 0.0), fast=fast, trust_clip=clip, **LARS_KW)
+    step(p, opt, G1)
+    close(p, (-0.1 * 0.6, -0.1 * 0.8))
+
+
+def test_lars_default_lr_is_one():
+    p = nn.Parameter(vec(*W))
+    assert LARS([p]).param_groups[0]["lr"] == 1.0
 
 
 @FAST

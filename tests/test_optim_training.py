@@ -193,9 +193,9 @@ def test_lamb_fast_float32_reuses_one_scratch_buffer():
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()
-        assert opt._scratch.dtype == torch.float32
-        assert opt._scratch.numel() == biggest
-        seen.add((id(opt._scratch), opt._scratch.data_ptr()))
+        assert opt._scratch.buffer.dtype == torch.float32
+        assert opt._scratch.buffer.numel() == biggest
+        seen.add((id(opt._scratch.buffer), opt._scratch.buffer.data_ptr()))
     assert len(seen) == 1
     # no other update-sized tensors hide in the per-parameter state
     for p in model.parameters():

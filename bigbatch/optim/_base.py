@@ -7,37 +7,66 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from ._norms import is_dtensor, local
 from ._params import split_by_exclusion
 
-# Dtypes torch's fused CPU/CUDA optimizer kernels accept; others use the reference kernel.
+# Dtypes torch's fused CPU kernels accept; the per-tensor kernel needs them.
 _FUSED_DTYPES = (torch.float32, torch.float64)
+
+KERNELS = ("auto", "reference", "per_tensor", "multi_tensor")
 
 
 class LayerwiseOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     """Base for layer-wise adaptive optimizers (one trust ratio per tensor).
 
-    Subclasses set ``_name`` and implement ``_group_step(group, fast, ratios)``.
-    ``fast=None`` picks the fast kernel where torch's fused kernels support
-    the parameters, ``fast=False`` forces the per-tensor reference kernel.
+    Subclasses set ``_name`` and implement ``_update(work, kernel, ratios)``
+    over all groups at once, so the norms of a step are reduced together (one
+    collective per step for sharded parameters).
+
+    Kernels (``kernel=``):
+
+    - ``"reference"``: the readable per-tensor loop, the spec (``fast=False``);
+    - ``"per_tensor"``: torch's fused CPU kernels one tensor at a time, norms read
+      to the host; fastest on CPU. Tensors whose layout the fused kernels cannot
+      take (non-dense views, gradients or state laid out unlike the parameter)
+      take the reference kernel. DTensor parameters use ``"multi_tensor"``;
+    - ``"multi_tensor"``: lists of tensors per (device, dtype), norms and trust
+      ratios kept as tensors: no host synchronisation, capturable in a CUDA
+      graph, and whole-tensor norms for DTensor (FSDP2, tensor parallel) shards;
+    - ``"auto"`` (default): ``multi_tensor`` for CUDA and DTensor parameters,
+      ``per_tensor`` for float32/float64 CPU parameters, ``reference`` otherwise.
     """
 
     _name = "optimizer"
 
     def __init__(self, params: Iterable, defaults: dict, exclude: Sequence[str] = (),
-                 fast: bool | None = None):
+                 fast: bool | None = None, kernel: str = "auto"):
+        if kernel not in KERNELS:
+            raise ValueError(f"{self._name}: kernel={kernel!r} should be one of {KERNELS}")
+        if fast is False and kernel not in ("auto", "reference"):
+            raise ValueError(f"{self._name}: fast=False means kernel='reference', "
+                             f"not {kernel!r}")
         if isinstance(exclude, str):
             exclude = (exclude,)
         groups = split_by_exclusion(self._name, params, tuple(exclude))
         defaults = {**defaults, "layer_adaptation": True}
         super().__init__(groups, defaults)
         self.fast = fast
+        self.kernel = "reference" if fast is False else kernel
         self.track_trust_ratios = False
-        self._last_ratios: list[float] | None = None
+        self._last_ratios: list | None = None
 
-    def _use_fast(self, params: list[torch.Tensor]) -> bool:
-        if self.fast is not None:
-            return self.fast
-        return all(p.dtype in _FUSED_DTYPES and not p.is_sparse for p in params)
+    def _choose_kernel(self, params: list[torch.Tensor]) -> str:
+        sharded = any(is_dtensor(p) for p in params)
+        if self.kernel == "per_tensor" and sharded:
+            return "multi_tensor"
+        if self.kernel != "auto":
+            return self.kernel
+        if sharded or any(p.device.type != "cpu" for p in params):
+            return "multi_tensor"
+        if all(p.dtype in _FUSED_DTYPES for p in params):
+            return "per_tensor"
+        return "multi_tensor" if self.fast else "reference"
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -45,25 +74,27 @@ class LayerwiseOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._before_step()
-        ratios: list[float] | None = [] if self.track_trust_ratios else None
+        work = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
             if any(p.grad.is_sparse for p in params):
                 raise RuntimeError(f"{self._name} does not support sparse gradients")
-            self._group_step(group, params, self._use_fast(params), ratios)
+            if params:
+                work.append((group, params))
+        ratios: list | None = [] if self.track_trust_ratios else None
+        if work:
+            kernel = self._choose_kernel([p for _, params in work for p in params])
+            self._update(work, kernel, ratios)
         self._last_ratios = ratios
         return loss
 
-    def _before_step(self) -> None:
-        """Hook for work over all groups before the per-group updates."""
-
     @abc.abstractmethod
-    def _group_step(self, group: dict, params: list[torch.Tensor], fast: bool,
-                    ratios: list[float] | None) -> None:
-        """Update one group's parameters that have gradients; append their trust ratios."""
+    def _update(self, work: list[tuple[dict, list[torch.Tensor]]], kernel: str,
+                ratios: list | None) -> None:
+        """Update every group's parameters that have gradients with ``kernel``.
+
+        Appends the trust ratios to ``ratios`` (floats or tensors) in parameter order.
+        """
 
     @staticmethod
     def _adapts(group: dict) -> bool:
@@ -72,13 +103,18 @@ class LayerwiseOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def trust_ratios(self) -> torch.Tensor | None:
         """Per-tensor trust ratios of the last step, in parameter order.
 
-        Recorded only while ``track_trust_ratios`` is True (it costs a list
-        append per tensor); ``None`` otherwise. For LARS the ratio is
-        ``local_lr / lr``; for LAMB ``||w|| / ||u||``. Excluded tensors show 1.
+        Recorded only while ``track_trust_ratios`` is True; ``None`` otherwise.
+        The multi-tensor kernel keeps them as device tensors, read here (so
+        only this call synchronises). For LARS the ratio is ``local_lr / lr``;
+        for LAMB ``||w|| / ||u||``. Excluded tensors show 1.
         """
         if self._last_ratios is None:
             return None
-        return torch.tensor(self._last_ratios, dtype=torch.float64)
+        parts = [torch.as_tensor(r, dtype=torch.float64, device="cpu").reshape(-1)
+                 if not isinstance(r, torch.Tensor)
+                 else r.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
+                 for r in self._last_ratios]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
     def param_names(self) -> list[str | None]:
         """Names of the parameters in step order (None where not given)."""
@@ -87,3 +123,61 @@ class LayerwiseOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             given = group.get("param_names")
             names.extend(given if given is not None else [None] * len(group["params"]))
         return names
+
+
+def by_device_and_dtype(params: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``params`` bucketed by their local tensor's (device, dtype), in order."""
+    buckets: dict = {}
+    for i, p in enumerate(params):
+        t = local(p)
+        buckets.setdefault((t.device, t.dtype), []).append(i)
+    return list(buckets.values())
+
+
+def in_param_order(buckets: list[list[int]], parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-bucket 1-d results back in parameter order (a single bucket stays whole)."""
+    if len(parts) == 1:
+        return parts
+    slots: list = [None] * sum(len(idx) for idx in buckets)
+    for idx, part in zip(buckets, parts, strict=True):
+        for i, value in zip(idx, part.unbind(), strict=True):
+            slots[i] = value
+    return slots
+
+
+def fusable(*tensors: torch.Tensor) -> bool:
+    """Whether torch's fused kernels, which walk raw memory, can take these together.
+
+    They need every tensor dense (no gaps, no overlap) with identical strides;
+    ``empty_like``/``zeros_like`` of a dense parameter keep its strides (also
+    for transposed and ``channels_last`` weights).
+    """
+    first = tensors[0]
+    if not _dense(first):
+        return False
+    return all(t.stride() == first.stride() and t.shape == first.shape for t in tensors[1:])
+
+
+def _dense(t: torch.Tensor) -> bool:
+    # Non-overlapping and dense: the strides, sorted, are those of a contiguous tensor.
+    if t.is_contiguous():
+        return True
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape, strict=True) if n != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def as_state_tensor(value, like: torch.Tensor) -> torch.Tensor:
+    """A scalar state entry as a 0-d tensor on ``like``'s device and dtype.
+
+    Old state dicts stored some scalars as Python floats; they convert on use.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.device == like.device and value.dtype == like.dtype:
+            return value
+        return value.to(device=like.device, dtype=like.dtype)
+    return torch.full((), float(value), dtype=like.dtype, device=like.device)

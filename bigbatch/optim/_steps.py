@@ -1,60 +1,109 @@
 """Named steps that LARS and LAMB are built from, each written once.
 
-These work on Python floats (norms already reduced), so the reference and the
-fast kernels share exactly the same scalar arithmetic.
+The scalar rules work on tensors of norms: a 0-d tensor per parameter in the
+reference kernel, a stacked 1-d tensor in the multi-tensor kernel. The same
+elementwise arithmetic runs in both, so the float64 reference stays the spec,
+and nothing here reads a value back to the host (a CUDA step never syncs).
+Zero norms are handled with ``torch.where``, not with Python branches.
 """
 
 from __future__ import annotations
 
 import torch
 
+Scalar = float | torch.Tensor
 
-def lars_local_lr(lr: float, coeff: float, w_norm: float, g_norm: float,
-                  weight_decay: float, eps: float, trust_clip: bool) -> float:
-    """LARS layer-wise learning rate (You et al. 2017, Fleet's lars_momentum).
 
-    ``local_lr = lr * coeff * ||w|| / (||g|| + weight_decay * ||w|| + eps)``;
-    ``lr`` itself when either norm is zero, so zero-initialised layers still
-    move and nothing divides by zero. With ``trust_clip`` (LARC, Ginsburg et
-    al.) it never exceeds ``lr``.
+def lars_local_lr(lr: Scalar, coeff: float, w_norm: torch.Tensor, g_norm: torch.Tensor,
+                  weight_decay: float, eps: float, trust_clip: bool) -> torch.Tensor:
+    """LARS layer-wise learning rate (You et al. 2017, Fleet's ``lars_momentum``).
+
+    ``adaptive = coeff * ||w|| / (||g|| + weight_decay * ||w|| + eps)`` and
+
+    - scaling mode (LARS): ``local_lr = lr * adaptive``;
+    - clipping mode (``trust_clip``, LARC: Ginsburg et al. 2018, NVIDIA apex
+      ``LARC(clip=True)``, timm ``Lars(trust_clip=True)``):
+      ``local_lr = min(adaptive, lr)``, i.e. ``lr * min(adaptive / lr, 1)``:
+      the adaptive rate is used as it is, and only capped at the global rate.
+
+    ``local_lr = lr`` when either norm is zero, so zero-initialised layers still
+    move and nothing divides by zero.
     """
-    if w_norm == 0.0 or g_norm == 0.0:
-        return lr
-    local = lr * coeff * w_norm / (g_norm + weight_decay * w_norm + eps)
-    return min(local, lr) if trust_clip else local
+    adaptive = coeff * w_norm / (g_norm + weight_decay * w_norm + eps)
+    local = adaptive.clamp(max=lr) if trust_clip else lr * adaptive
+    return torch.where((w_norm == 0) | (g_norm == 0), lr, local)
 
 
-def lamb_trust_ratio(w_norm: float, u_norm: float, trust_clip: bool) -> float:
+def lars_momentum_coefficients(local_lr: torch.Tensor, prev_lr: torch.Tensor, momentum: float
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """How LARS's stored buffer ``b = v / unit`` moves, without branching on values.
+
+    Fleet's velocity is ``v' = momentum * v + local_lr * d``. The buffer is kept
+    in units of a learning rate so the update is a momentum-SGD step:
+    ``b' = carry * b + d_coef * d`` and ``v' = unit' * b'``, where
+
+    - ``unit' = local_lr`` normally (``carry = momentum * prev / local_lr``,
+      ``d_coef = 1``);
+    - ``unit' = prev`` when ``local_lr = 0`` (lr = 0 in a warmup): the buffer only
+      decays (``carry = momentum``, ``d_coef = 0``);
+    - ``unit' = 1`` when both are zero (the buffer is zero anyway).
+
+    Returns ``(unit', carry, d_coef)``.
+    """
+    zero = local_lr == 0
+    unit = torch.where(zero, torch.where(prev_lr == 0, 1.0, prev_lr), local_lr)
+    carry = momentum * prev_lr / unit
+    d_coef = (~zero).to(unit.dtype)
+    return unit, carry, d_coef
+
+
+def lamb_trust_ratio(w_norm: torch.Tensor, u_norm: torch.Tensor, trust_clip: bool
+                     ) -> torch.Tensor:
     """LAMB trust ratio ``||w|| / ||u||`` (You et al. 2020), 1 when a norm is 0.
 
     With ``trust_clip`` the ratio is capped at 1.
     """
-    if w_norm == 0.0 or u_norm == 0.0:
-        return 1.0
     ratio = w_norm / u_norm
-    return min(ratio, 1.0) if trust_clip else ratio
+    if trust_clip:
+        ratio = ratio.clamp(max=1.0)
+    return torch.where((w_norm == 0) | (u_norm == 0), 1.0, ratio)
 
 
-def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """Divisor that brings a global gradient norm down to ``max_norm`` (1 if below)."""
-    if max_norm is None or total_norm <= max_norm:
-        return 1.0
-    return total_norm / max_norm
+    return torch.where(total_norm > max_norm, total_norm / max_norm, 1.0)
 
 
-def global_grad_norm(grads: list[torch.Tensor]) -> float:
-    """L2 norm of all gradients together, as one float (one pass, no copies)."""
-    if not grads:
-        return 0.0
-    norms = torch._foreach_norm(grads)
-    return torch.linalg.vector_norm(torch.stack(norms).double()).item()
+def adam_direction(out: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                   beta1: float, beta2: float, eps: float, step: int | None) -> None:
+    """The readable Adam kernel: update the moments, write ``r = m_hat / (sqrt(v_hat) + eps)``.
+
+    ``step=None`` means no bias correction.
+    """
+    m.mul_(beta1).add_(g, alpha=1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bc1 = 1 - beta1**step if step is not None else 1.0
+    bc2 = 1 - beta2**step if step is not None else 1.0
+    torch.div(m / bc1, (v / bc2).sqrt() + eps, out=out)
 
 
-def norms(*tensors: torch.Tensor) -> list[float]:
-    """L2 norms of several tensors as floats, with one host transfer."""
-    return norm_list(list(tensors))
+def lars_reference_update(w: torch.Tensor, g: torch.Tensor, b: torch.Tensor,
+                          local_lr: float, prev_lr: float, momentum: float,
+                          weight_decay: float, nesterov: bool) -> float:
+    """The readable LARS kernel for one tensor; returns the buffer's new unit.
 
-
-def norm_list(tensors: list[torch.Tensor]) -> list[float]:
-    """L2 norm of each tensor as floats: one multi-tensor reduction, one host transfer."""
-    return torch.stack(torch._foreach_norm(tensors)).tolist()
+    ``d = g + weight_decay * w``; ``b = momentum * prev / local_lr * b + d``;
+    ``w -= local_lr * b`` (nesterov: ``w -= local_lr * (d + momentum * b)``).
+    With ``local_lr = 0`` only the velocity decays: ``v = momentum * v``.
+    """
+    if local_lr == 0.0:
+        b.mul_(momentum)
+        w.sub_(b, alpha=prev_lr * momentum if nesterov else prev_lr)
+        return prev_lr
+    d = g + weight_decay * w if weight_decay else g
+    b.mul_(momentum * prev_lr / local_lr).add_(d)
+    if nesterov:
+        w.sub_(d + momentum * b, alpha=local_lr)
+    else:
+        w.sub_(b, alpha=local_lr)
+    return local_lr

@@ -13,11 +13,12 @@ With ``max_grad_norm`` the gradients are first divided by their global norm
 when it exceeds the bound (in place, like ``clip_grad_norm_``), as NVIDIA's
 LAMB does.
 
-Fast kernel, per tensor: torch's fused Adam kernel writes ``r`` into one
-scratch buffer shared by all tensors (the moments update in the same pass),
-then the norms, ``u`` and the update follow while ``w`` and the scratch are
-still in cache. Memory traffic is close to the 40 bytes per fp32 parameter a
-two-pass LAMB needs, and the step allocates nothing but that buffer.
+Kernels. The reference computes every ``u``, then all norms together, then
+the updates. The per-tensor CPU kernel (``_lamb_cpu.py``) runs torch's fused
+Adam kernel into a scratch buffer laid out like ``w``, chunk by chunk, so the
+norms and the update follow while the data is still in cache. The
+multi-tensor kernel runs the fused Adam kernel over lists into per-tensor
+update buffers and keeps norms and ratios as tensors (no host sync).
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ._base import LayerwiseOptimizer
+from ._base import LayerwiseOptimizer, by_device_and_dtype, fusable, in_param_order
+from ._lamb_cpu import LambScratch, lamb_step_per_tensor
+from ._norms import global_norm, local, stack, whole_norms
 from ._params import check_range
-from ._steps import clip_coefficient, global_grad_norm, lamb_trust_ratio, norms
+from ._steps import adam_direction, clip_coefficient, lamb_trust_ratio
 
 __all__ = ["LAMB"]
 
@@ -39,7 +42,7 @@ class LAMB(LayerwiseOptimizer):
     Args:
         params: ``model.named_parameters()`` (needed for ``exclude``), plain
             parameters, or param groups with per-group overrides.
-        lr: learning rate.
+        lr: learning rate (a float, or a 0-d tensor).
         betas: Adam's ``(beta1, beta2)``, each in ``[0, 1)``.
         eps: added to ``sqrt(v_hat)``.
         weight_decay: Fleet ``lamb_weight_decay`` (decoupled, inside ``u``).
@@ -50,19 +53,22 @@ class LAMB(LayerwiseOptimizer):
         max_grad_norm: clip the global gradient norm to this before the step.
         trust_clip: cap the trust ratio at 1.
         always_adapt: keep the trust ratio for excluded parameters too.
-        fast: ``None`` picks the fused kernel where possible; ``False`` forces
-            the per-tensor reference kernel.
+        fast: ``False`` forces the per-tensor reference kernel (as
+            ``kernel="reference"``).
+        kernel: ``"auto"``, ``"reference"``, ``"per_tensor"`` or
+            ``"multi_tensor"``; see ``LayerwiseOptimizer``.
     """
 
     _name = "LAMB"
 
-    def __init__(self, params: Iterable, lr: float = 1e-3,
+    def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.01, exclude: Sequence[str] = (),
                  bias_correction: bool = True, max_grad_norm: float | None = None,
                  trust_clip: bool = False, always_adapt: bool = False,
-                 fast: bool | None = None):
-        check_range("LAMB", "lr", lr, 0.0)
+                 fast: bool | None = None, kernel: str = "auto"):
+        if not isinstance(lr, torch.Tensor):
+            check_range("LAMB", "lr", lr, 0.0)
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"LAMB: betas={betas!r} should be a pair (beta1, beta2)")
         check_range("LAMB", "betas[0]", betas[0], 0.0, 1.0, high_open=True)
@@ -75,64 +81,118 @@ class LAMB(LayerwiseOptimizer):
                         bias_correction=bias_correction, trust_clip=trust_clip,
                         always_adapt=always_adapt)
         self.max_grad_norm = max_grad_norm
-        self._scratch: torch.Tensor | None = None
-        super().__init__(params, defaults, exclude, fast)
+        super().__init__(params, defaults, exclude, fast, kernel)
+        self._scratch = LambScratch(self._largest)
 
-    def _before_step(self):
-        if self.max_grad_norm is None:
+    def _largest(self, dtype: torch.dtype, device: torch.device) -> int:
+        return max((p.numel() for g in self.param_groups for p in g["params"]
+                    if p.dtype == dtype and p.device == device), default=0)
+
+    def _state(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(step, exp_avg, exp_avg_sq) of ``w``, the moments as local tensors."""
+        state = self.state[w]
+        here = local(w).device
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=here)
+            # zeros_like keeps a dense parameter's strides (and a DTensor's placements).
+            state["exp_avg"] = torch.zeros_like(w)
+            state["exp_avg_sq"] = torch.zeros_like(w)
+        if state["step"].device != here:  # a loaded state dict keeps step where it was saved
+            state["step"] = state["step"].to(here)
+        return state["step"], local(state["exp_avg"]), local(state["exp_avg_sq"])
+
+    def _clip_gradients(self, work, kernel) -> None:
+        """Divide all gradients by ``clip_coefficient`` of their global (whole-tensor) norm."""
+        params = [w for _, ps in work for w in ps]
+        coef = clip_coefficient(global_norm([w.grad for w in params]), self.max_grad_norm)
+        grads = [local(w.grad) for w in params]
+        if kernel != "multi_tensor":
+            if coef.item() != 1.0:
+                torch._foreach_div_(grads, coef.item())
             return
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        clip = clip_coefficient(global_grad_norm(grads), self.max_grad_norm)
-        if clip != 1.0:
-            torch._foreach_div_(grads, clip)
+        for idx in by_device_and_dtype(params):
+            bucket = [grads[i] for i in idx]
+            torch._foreach_div_(bucket, coef.to(device=bucket[0].device, dtype=bucket[0].dtype))
 
-    def _scratch_for(self, w: torch.Tensor) -> torch.Tensor:
-        """A view of the one shared update buffer, shaped like ``w``."""
-        s = self._scratch
-        if s is None or s.numel() < w.numel() or s.dtype != w.dtype or s.device != w.device:
-            biggest = max(p.numel() for g in self.param_groups for p in g["params"]
-                          if p.dtype == w.dtype and p.device == w.device)
-            s = self._scratch = torch.empty(biggest, dtype=w.dtype, device=w.device)
-        return s[: w.numel()].view_as(w)
-
-    def _group_step(self, group, params, fast, ratios):
-        beta1, beta2 = group["betas"]
-        wd, eps, lr = group["weight_decay"], group["eps"], group["lr"]
-        adapt = self._adapts(group)
-        for w in params:
-            state = self.state[w]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32, device=w.device)
-                state["exp_avg"] = torch.zeros_like(w)
-                state["exp_avg_sq"] = torch.zeros_like(w)
-            state["step"] += 1
-            m, v = state["exp_avg"], state["exp_avg_sq"]
-            u = self._scratch_for(w)
-            if fast:
-                # bias_correction=False: an infinite step makes 1 - beta^t exactly 1.
-                step = state["step"] if group["bias_correction"] else _INF_STEP.to(w.device)
-                u.zero_()
-                torch._fused_adam_([u], [w.grad], [m], [v], [], [step], lr=-1.0,
-                                   beta1=beta1, beta2=beta2, weight_decay=0.0, eps=eps,
-                                   amsgrad=False, maximize=False)
+    def _update(self, work, kernel, ratios):
+        if self.max_grad_norm is not None:
+            self._clip_gradients(work, kernel)
+        if kernel == "per_tensor":
+            for group, params in work:
+                for w in params:
+                    step, m, v = self._state(w)
+                    step += 1
+                    ratio = lamb_step_per_tensor(self._scratch, group, w, step, m, v,
+                                                 self._adapts(group))
+                    if ratios is not None:
+                        ratios.append(ratio)
+            return
+        # (group, its bucket's parameters, their updates u), buckets in group order.
+        pending = []
+        buckets = []
+        for group, params in work:
+            if kernel == "reference":
+                buckets.append([[i] for i in range(len(params))])
+                pending += [(group, [w], [self._reference_direction(group, w)]) for w in params]
             else:
-                _adam_direction(u, w.grad, m, v, beta1, beta2, eps,
-                                int(state["step"].item()) if group["bias_correction"] else None)
-            if wd:
-                u.add_(w, alpha=wd)
-            ratio = lamb_trust_ratio(*norms(w, u), group["trust_clip"]) if adapt else 1.0
-            if ratios is not None:
-                ratios.append(ratio)
-            w.sub_(u, alpha=lr * ratio)
+                buckets.append(by_device_and_dtype(params))
+                pending += [(group, ps, self._multi_tensor_direction(group, ps))
+                            for ps in ([params[i] for i in idx] for idx in buckets[-1])]
+        # All norms of the step reduced together: one collective for sharded parameters.
+        adapted = [(w, u) for group, ps, us in pending if self._adapts(group)
+                   for w, u in zip(ps, us, strict=True)]
+        ws = [w for w, _ in adapted]
+        norms = whole_norms(ws + [u for _, u in adapted], ws + ws)
+        w_norms = dict(zip(map(id, ws), norms[: len(ws)], strict=True))
+        u_norms = dict(zip(map(id, ws), norms[len(ws):], strict=True))
+        parts = []
+        for group, ps, us in pending:
+            if self._adapts(group):
+                ratio = lamb_trust_ratio(stack([w_norms[id(w)] for w in ps]),
+                                         stack([u_norms[id(w)] for w in ps]), group["trust_clip"])
+            else:
+                ratio = torch.ones(len(ps), dtype=us[0].dtype, device=us[0].device)
+            # w -= lr * ratio * u
+            torch._foreach_addcmul_([local(w) for w in ps], us, (-group["lr"] * ratio).unbind())
+            parts.append(ratio)
+        if ratios is not None:
+            for idx in buckets:
+                ratios.extend(in_param_order(idx, parts[: len(idx)]))
+                parts = parts[len(idx):]
 
+    def _reference_direction(self, group, w) -> torch.Tensor:
+        """The readable kernel for one tensor: moments, then ``u = r + weight_decay * w``."""
+        beta1, beta2 = group["betas"]
+        step, m, v = self._state(w)
+        step += 1
+        u = torch.empty_like(m)
+        adam_direction(u, local(w.grad), m, v, beta1, beta2, group["eps"],
+                       int(step.item()) if group["bias_correction"] else None)
+        if group["weight_decay"]:
+            u.add_(local(w), alpha=group["weight_decay"])
+        return u
 
-_INF_STEP = torch.tensor(float("inf"))
-
-
-def _adam_direction(out, g, m, v, beta1, beta2, eps, step):
-    """The readable kernel: update the moments, write ``r = m_hat / (sqrt(v_hat) + eps)``."""
-    m.mul_(beta1).add_(g, alpha=1 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    bc1 = 1 - beta1**step if step is not None else 1.0
-    bc2 = 1 - beta2**step if step is not None else 1.0
-    torch.div(m / bc1, (v / bc2).sqrt() + eps, out=out)
+    def _multi_tensor_direction(self, group, params) -> list[torch.Tensor]:
+        """``u`` for one (device, dtype) bucket: fused Adam over lists, then weight decay."""
+        beta1, beta2 = group["betas"]
+        states = [self._state(w) for w in params]
+        steps = [s for s, _, _ in states]
+        torch._foreach_add_(steps, 1)
+        ws = [local(w) for w in params]
+        us = [torch.empty_like(m) for _, m, _ in states]
+        # The fused kernel walks raw memory: the gradient must share the buffers' layout.
+        gs = [g if fusable(u, g) else torch.empty_like(u).copy_(g)
+              for u, g in zip(us, (local(w.grad) for w in params), strict=True)]
+        ms = [m for _, m, _ in states]
+        vs = [v for _, _, v in states]
+        if group["bias_correction"]:
+            counts = steps
+        else:  # an infinite step makes 1 - beta^t exactly 1
+            counts = [torch.full((), float("inf"), device=s.device) for s in steps]
+        torch._foreach_zero_(us)
+        # lr = -1 on a zero "parameter" leaves exactly r = m_hat / (sqrt(v_hat) + eps) in u.
+        torch._fused_adam_(us, gs, ms, vs, [], counts, lr=-1.0, beta1=beta1, beta2=beta2,
+                           weight_decay=0.0, eps=group["eps"], amsgrad=False, maximize=False)
+        if group["weight_decay"]:
+            torch._foreach_add_(us, ws, alpha=group["weight_decay"])
+        return us

@@ -1,15 +1,18 @@
-"""LARS: layer-wise adaptive rate scaling with momentum (You et al. 2017).
+"""LARS: layer-wise adaptive rate scaling with momentum (You et al. 2017), and
+LARC's clipping mode (Ginsburg et al. 2018).
 
 Update, as in PaddlePaddle Fleet's ``lars_momentum`` kernel::
 
-    local_lr = lr * lars_coeff * ||w|| / (||g|| + lars_weight_decay * ||w|| + epsilon)
+    adaptive = lars_coeff * ||w|| / (||g|| + lars_weight_decay * ||w|| + epsilon)
+    local_lr = lr * adaptive                (LARC, trust_clip: min(adaptive, lr))
     v = momentum * v + local_lr * (g + lars_weight_decay * w)
     w = w - v                       (nesterov: w = w - (momentum * v + local_lr * d))
 
 State layout. Fleet's velocity ``v`` carries the learning rate, and
 ``local_lr`` changes every step, so ``v`` is stored as ``momentum_buffer =
-v / local_lr`` together with ``local_lr`` (the value it was divided by). The
-recurrence then reads ``b = momentum * (local_lr_prev / local_lr) * b + d``,
+v / local_lr`` together with ``local_lr`` (the value it was divided by, a 0-d
+tensor; state dicts with a Python float there still load). The recurrence
+then reads ``b = momentum * (local_lr_prev / local_lr) * b + d``,
 ``w -= local_lr * b``: exactly torch's fused SGD kernel with a per-tensor
 momentum, which updates ``b`` and ``w`` in one pass. ``velocity(p)`` returns
 ``v`` in Fleet's units.
@@ -21,9 +24,10 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ._base import LayerwiseOptimizer
+from ._base import LayerwiseOptimizer, as_state_tensor, by_device_and_dtype, fusable, in_param_order
+from ._norms import local, stack, whole_norms
 from ._params import check_range
-from ._steps import lars_local_lr, norm_list
+from ._steps import lars_local_lr, lars_momentum_coefficients, lars_reference_update
 
 __all__ = ["LARS"]
 
@@ -35,6 +39,10 @@ class LARS(LayerwiseOptimizer):
         params: ``model.named_parameters()`` (needed for ``exclude``), plain
             parameters, or param groups with per-group overrides.
         lr: global learning rate (scheduled as usual through ``param_groups``).
+            The default 1.0 follows timm's ``Lars``: in scaling mode the step is
+            ``lr * trust_coefficient * ||w|| / ||g||``-sized, so the trust
+            coefficient, not ``lr``, sets its scale. A float, or a 0-d tensor
+            (the multi-tensor kernel then never reads it to the host).
         momentum: momentum ``mu`` in ``[0, 1)``.
         weight_decay: Fleet ``lars_weight_decay``; part of the trust ratio.
         trust_coefficient: Fleet ``lars_coeff``.
@@ -43,20 +51,24 @@ class LARS(LayerwiseOptimizer):
         exclude: parameter-name substrings (Fleet ``exclude_from_weight_decay``,
             e.g. ``("bn", "bias")``); matching parameters take a plain
             momentum-SGD step: no weight decay and no trust ratio.
-        trust_clip: LARC clipping, ``local_lr <= lr``.
+        trust_clip: LARC's clipping mode: ``local_lr = min(adaptive, lr)``
+            instead of ``lr * adaptive`` (NVIDIA apex ``LARC(clip=True)``).
         always_adapt: keep the trust ratio for excluded parameters too.
-        fast: ``None`` picks the fused kernel where possible; ``False`` forces
-            the per-tensor reference kernel.
+        fast: ``False`` forces the per-tensor reference kernel (as
+            ``kernel="reference"``).
+        kernel: ``"auto"``, ``"reference"``, ``"per_tensor"`` or
+            ``"multi_tensor"``; see ``LayerwiseOptimizer``.
     """
 
     _name = "LARS"
 
-    def __init__(self, params: Iterable, lr: float, momentum: float = 0.9,
+    def __init__(self, params: Iterable, lr: float | torch.Tensor = 1.0, momentum: float = 0.9,
                  weight_decay: float = 5e-4, trust_coefficient: float = 1e-3,
                  eps: float = 0.0, nesterov: bool = False, exclude: Sequence[str] = (),
                  trust_clip: bool = False, always_adapt: bool = False,
-                 fast: bool | None = None):
-        check_range("LARS", "lr", lr, 0.0)
+                 fast: bool | None = None, kernel: str = "auto"):
+        if not isinstance(lr, torch.Tensor):
+            check_range("LARS", "lr", lr, 0.0)
         check_range("LARS", "momentum", momentum, 0.0, 1.0, high_open=True)
         check_range("LARS", "weight_decay", weight_decay, 0.0)
         check_range("LARS", "trust_coefficient", trust_coefficient, 0.0, low_open=True)
@@ -66,7 +78,7 @@ class LARS(LayerwiseOptimizer):
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
                         trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
                         trust_clip=trust_clip, always_adapt=always_adapt)
-        super().__init__(params, defaults, exclude, fast)
+        super().__init__(params, defaults, exclude, fast, kernel)
 
     def velocity(self, p: torch.Tensor) -> torch.Tensor | None:
         """Fleet's velocity ``v`` for parameter ``p`` (None before its first step)."""
@@ -75,50 +87,95 @@ class LARS(LayerwiseOptimizer):
             return None
         return state["momentum_buffer"] * state["local_lr"]
 
-    def _group_step(self, group, params, fast, ratios):
-        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
-        adapt = self._adapts(group)
-        if adapt:
-            # All norms in one multi-tensor call and one host transfer: far cheaper
-            # than a reduction and a sync per tensor.
-            w_norms = norm_list(params)
-            g_norms = norm_list([w.grad for w in params])
-        for i, w in enumerate(params):
-            g = w.grad
-            state = self.state[w]
-            if not state:
-                state["momentum_buffer"] = torch.zeros_like(w)
-                state["local_lr"] = 0.0
-            b = state["momentum_buffer"]
-            if adapt:
-                local = lars_local_lr(lr, group["trust_coefficient"], w_norms[i], g_norms[i],
-                                      wd, group["eps"], group["trust_clip"])
-            else:
-                local = lr
-            if ratios is not None:
-                ratios.append(local / lr if lr > 0 else 1.0)
-            prev = state["local_lr"]
-            if local == 0.0:
-                # lr = 0 (e.g. warmup from zero): v = mu * v, still in units of prev.
-                b.mul_(mu)
-                w.sub_(b, alpha=prev * mu if group["nesterov"] else prev)
+    def _state(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(momentum buffer's local tensor, local_lr as a 0-d tensor) for ``w``."""
+        state = self.state[w]
+        if not state:
+            # zeros_like keeps a dense parameter's strides (and a DTensor's placements).
+            state["momentum_buffer"] = torch.zeros_like(w)
+            state["local_lr"] = torch.zeros((), dtype=local(w).dtype, device=local(w).device)
+        state["local_lr"] = as_state_tensor(state["local_lr"], local(w))
+        return local(state["momentum_buffer"]), state["local_lr"]
+
+    def _local_lrs(self, group, params, norms) -> torch.Tensor:
+        """Every tensor's ``local_lr`` in ``params`` as one 1-d tensor."""
+        lr = group["lr"]
+        like = local(params[0])
+        if norms is None:  # not adapted: the global rate
+            return torch.zeros(len(params), dtype=like.dtype, device=like.device) + lr
+        w_norms, g_norms = norms
+        return lars_local_lr(lr, group["trust_coefficient"], stack(w_norms), stack(g_norms),
+                             group["weight_decay"], group["eps"], group["trust_clip"])
+
+    def _update(self, work, kernel, ratios):
+        # The norms of every adapted tensor, reduced together: one collective per step.
+        adapted = [w for group, params in work if self._adapts(group) for w in params]
+        norms = whole_norms(adapted + [w.grad for w in adapted], adapted + adapted)
+        w_norms = dict(zip(map(id, adapted), norms[: len(adapted)], strict=True))
+        g_norms = dict(zip(map(id, adapted), norms[len(adapted):], strict=True))
+        for group, params in work:
+            if kernel == "multi_tensor":
+                buckets = by_device_and_dtype(params)
+                parts = [self._multi_tensor(group, [params[i] for i in idx], w_norms, g_norms)
+                         for idx in buckets]
+                if ratios is not None:
+                    ratios.extend(in_param_order(buckets, parts))
                 continue
-            carry = mu * prev / local
-            if fast and not group["nesterov"]:
-                # The kernel wants momentum > 0; with carry 0 its first-step mode sets b = d.
-                torch._fused_sgd_([w], [g], [b], weight_decay=wd, momentum=carry or 1.0,
-                                  lr=local, dampening=0.0, nesterov=False, maximize=False,
-                                  is_first_step=carry == 0.0)
+            lr = float(group["lr"])
+            adapt = self._adapts(group)
+            if adapt:
+                group_norms = ([w_norms[id(w)] for w in params], [g_norms[id(w)] for w in params])
+                local_lrs = self._local_lrs(group, params, group_norms).tolist()
             else:
-                _lars_reference(w, g, b, carry, local, mu, wd, group["nesterov"])
-            state["local_lr"] = local
+                local_lrs = [lr] * len(params)
+            for w, local_lr in zip(params, local_lrs, strict=True):
+                self._per_tensor(group, w, local_lr, fused=kernel == "per_tensor")
+                if ratios is not None:
+                    ratios.append(local_lr / lr if adapt and lr > 0 else 1.0)
 
+    def _per_tensor(self, group, w, local_lr: float, fused: bool) -> None:
+        """One tensor: torch's fused SGD kernel where it applies, else the reference."""
+        b, prev_t = self._state(w)
+        prev = prev_t.item()
+        w_, g = local(w), local(w.grad)
+        mu, wd = group["momentum"], group["weight_decay"]
+        carry = mu * prev / local_lr if local_lr else 0.0
+        if fused and local_lr and not group["nesterov"] and fusable(w_, g, b):
+            # The kernel wants momentum > 0; with carry 0 its first-step mode sets b = d.
+            torch._fused_sgd_([w_], [g], [b], weight_decay=wd, momentum=carry or 1.0,
+                              lr=local_lr, dampening=0.0, nesterov=False, maximize=False,
+                              is_first_step=carry == 0.0)
+            unit = local_lr
+        else:
+            unit = lars_reference_update(w_, g, b, local_lr, prev, mu, wd, group["nesterov"])
+        prev_t.fill_(unit)
 
-def _lars_reference(w, g, b, carry, local_lr, mu, wd, nesterov):
-    """The readable kernel for one tensor: ``b = carry * b + d``; ``w -= local_lr * b``."""
-    d = g + wd * w if wd else g
-    b.mul_(carry).add_(d)
-    if nesterov:
-        w.sub_(d + mu * b, alpha=local_lr)
-    else:
-        w.sub_(b, alpha=local_lr)
+    def _multi_tensor(self, group, params, w_norms, g_norms) -> torch.Tensor:
+        """One (device, dtype) bucket with foreach ops; nothing read to the host.
+
+        Returns the bucket's trust ratios ``local_lr / lr`` (1 where lr is 0).
+        """
+        mu, wd, lr = group["momentum"], group["weight_decay"], group["lr"]
+        states = [self._state(w) for w in params]
+        bufs = [b for b, _ in states]
+        ws = [local(w) for w in params]
+        gs = [local(w.grad) for w in params]
+        norms = ([w_norms[id(w)] for w in params], [g_norms[id(w)] for w in params]) \
+            if self._adapts(group) else None
+        local_lr = self._local_lrs(group, params, norms)
+        unit, carry, d_coef = lars_momentum_coefficients(
+            local_lr, torch.stack([p for _, p in states]), mu)
+        ds = torch._foreach_add(gs, ws, alpha=wd) if wd else gs
+        torch._foreach_mul_(bufs, carry.unbind())
+        torch._foreach_addcmul_(bufs, ds, d_coef.unbind())
+        if group["nesterov"]:
+            torch._foreach_addcmul_(ws, bufs, (-mu * unit).unbind())
+            torch._foreach_addcmul_(ws, ds, (-local_lr).unbind())
+        else:
+            torch._foreach_addcmul_(ws, bufs, (-unit).unbind())
+        torch._foreach_copy_([p for _, p in states], unit.unbind())
+        if norms is None:
+            return torch.ones_like(local_lr)
+        if isinstance(lr, torch.Tensor):
+            return torch.where(lr == 0, 1.0, local_lr / lr)
+        return local_lr / lr if lr > 0 else torch.ones_like(local_lr)

@@ -1,0 +1,96 @@
+"""Whole-tensor norms for parameters that may be sharded DTensors.
+
+A trust ratio needs the norm of the *full* parameter. For a DTensor (FSDP2's
+``fully_shard``, tensor-parallel plans) each rank holds a shard, so the local
+squared norms of every tensor sharded over the same mesh dimensions are
+stacked and summed across those dimensions with one ``all_reduce``: one
+collective per distinct (mesh, sharded dims) per call, usually exactly one,
+never one per tensor. Replicated mesh dimensions are not summed (every rank
+already holds the whole tensor there). Plain tensors need no communication.
+
+Nothing is read back to the host: the result stays a tensor, and NCCL's
+all-reduce is asynchronous to the host.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def dtensor_type():
+    """The DTensor class if anything imported it (else no parameter can be one)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    cls = dtensor_type()
+    return cls is not None and isinstance(t, cls)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds (a view: in-place updates reach the DTensor)."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def _shard_key(t: torch.Tensor):
+    """(mesh, mesh dims the tensor is sharded over), or None when nothing to sum."""
+    if not is_dtensor(t):
+        return None
+    dims = tuple(i for i, p in enumerate(t.placements) if p.is_shard())
+    return (t.device_mesh, dims) if dims else None
+
+
+def _local_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """L2 norm of each (local) tensor as 0-d tensors: one multi-tensor reduction per kind."""
+    kinds: dict = {}
+    for i, t in enumerate(tensors):
+        kinds.setdefault((t.device, t.dtype), []).append(i)
+    if len(kinds) == 1:
+        return list(torch._foreach_norm(tensors))
+    out: list = [None] * len(tensors)
+    for idx in kinds.values():
+        for i, n in zip(idx, torch._foreach_norm([tensors[i] for i in idx]), strict=True):
+            out[i] = n
+    return out
+
+
+def whole_norms(tensors: list[torch.Tensor], owners: list[torch.Tensor] | None = None
+                ) -> list[torch.Tensor]:
+    """L2 norm of each full tensor (DTensors reduced over their shards), as 0-d tensors.
+
+    ``owners[i]`` is the parameter whose placements ``tensors[i]`` shares, for
+    local tensors laid out like a sharded parameter (LAMB's update, gradients
+    already unwrapped); by default each tensor is its own owner.
+
+    For plain tensors these are exactly ``torch._foreach_norm``'s. No index
+    tensors are built (that would copy from the host): groups are gathered with
+    ``torch.stack`` and split with ``unbind``.
+    """
+    norms = _local_norms([local(t) for t in tensors])
+    groups: dict = {}
+    for i, t in enumerate(tensors if owners is None else owners):
+        key = _shard_key(t)
+        if key is not None:
+            groups.setdefault(key, []).append(i)
+    for (mesh, dims), idx in groups.items():
+        squares = torch.stack([norms[i] for i in idx]).square()
+        for dim in dims:
+            # Looked up at call time, so a test can count the calls.
+            torch.distributed.all_reduce(squares, group=mesh.get_group(dim))
+        for i, n in zip(idx, squares.sqrt().unbind(), strict=True):
+            norms[i] = n
+    return norms
+
+
+def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of all tensors together (each taken whole), as a 0-d tensor."""
+    return torch.linalg.vector_norm(stack(whole_norms(tensors)))
+
+
+def stack(scalars: list[torch.Tensor]) -> torch.Tensor:
+    """0-d tensors into one 1-d tensor, on the first one's device and dtype."""
+    first = scalars[0]
+    return torch.stack([s.to(device=first.device, dtype=first.dtype) for s in scalars])
