@@ -12,12 +12,7 @@ from test_optim_kernels import LRS, OPTION_CONFIGS, STEPS, config_id, grads_like
 
 from bigbatch.optim import LAMB, LARS
 
-try:  # --strict-markers: the marker applies once pyproject registers it
-    _CUDA_MARK = [pytest.mark.cuda]
-except pytest.fail.Exception:
-    _CUDA_MARK = []
-
-pytestmark = [*_CUDA_MARK,
+pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 F64 = torch.float64
