@@ -26,8 +26,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     Kernels (``kernel=``):
 
     - ``"reference"``: the readable per-tensor loop, the spec (``fast=False``);
-    - ``"per_tensor"``: torch's fused CPU kernels one tensor at a time, norms read
-      to the host; fastest on CPU. Tensors whose layout the fused kernels cannot
+    - ``"per_tensor"``: torch's fused CPU kernels one tensor at a time, taken in
+      cache-sized blocks (norms by dot products, read to the host once per
+      block, trust-ratio rules on Python floats; see ``_blocks``); fastest on CPU. Tensors whose layout the fused kernels cannot
       take (non-dense views, gradients or state laid out unlike the parameter)
       take the reference kernel. DTensor parameters use ``"multi_tensor"``;
     - ``"multi_tensor"``: lists of tensors per (device, dtype), norms and trust
@@ -153,12 +154,14 @@ def fusable(*tensors: torch.Tensor) -> bool:
     for transposed and ``channels_last`` weights).
     """
     first = tensors[0]
-    if not _dense(first):
+    if not dense(first):
         return False
-    return all(t.stride() == first.stride() and t.shape == first.shape for t in tensors[1:])
+    shape, stride = first.shape, first.stride()
+    return all(t.stride() == stride and t.shape == shape for t in tensors[1:])
 
 
-def _dense(t: torch.Tensor) -> bool:
+def dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers its memory with no gaps and no overlap (any dim order)."""
     # Non-overlapping and dense: the strides, sorted, are those of a contiguous tensor.
     if t.is_contiguous():
         return True

@@ -7,7 +7,8 @@ because ``u += weight_decay * w`` and the two norms each sweep memory again.
 Here the first pass runs chunk by chunk: torch's fused Adam kernel writes a
 chunk of ``r`` into the scratch buffer, then the weight decay and the chunk's
 squared norms of ``w`` and ``u`` are taken while both chunks are still in
-cache. Only then, with the whole norms known, does ``w -= lr * ratio * u``
+cache (dot products, ``_blocks.norms``), and the trust ratio on Python
+floats (one host read per tensor: free on CPU). Only then, with the whole norms known, does ``w -= lr * ratio * u``
 sweep the tensor once more.
 
 The fused kernel walks raw memory, so all tensors it gets must be dense with
@@ -25,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 from ._base import fusable
+from ._blocks import memory_order, norms
 from ._steps import adam_direction, lamb_trust_ratio
 
 # Elements per chunk: five fp32 arrays of this size (g, m, v, u, w) stay within
@@ -53,11 +55,6 @@ class LambScratch:
         return s.as_strided(w.shape, w.stride())
 
 
-def _memory_order(t: torch.Tensor) -> torch.Tensor:
-    """A dense tensor as 1-d in memory order (a view)."""
-    return t.as_strided((t.numel(),), (1,), t.storage_offset())
-
-
 def lamb_step_per_tensor(scratch: LambScratch, group: dict, w: torch.Tensor,
                          step: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
                          adapt: bool) -> float:
@@ -71,11 +68,11 @@ def lamb_step_per_tensor(scratch: LambScratch, group: dict, w: torch.Tensor,
                        int(step.item()) if group["bias_correction"] else None)
         if wd:
             u.add_(w, alpha=wd)
-        w_norm, u_norm = torch._foreach_norm([w, u])
+        w_norm, u_norm = norms([w, u]).tolist()
     else:
         u = scratch.like(w)
         count = step if group["bias_correction"] else _inf_step(w.device)
-        norms: list[torch.Tensor] = []
+        parts: list[torch.Tensor] = []
         for uc, gc, mc, vc, wc in _chunks(u, g, m, v, w):
             # u starts as weight_decay * w; the fused kernel then adds r
             # (lr = -1 on the "parameter" u), so u = r + weight_decay * w in one sweep.
@@ -87,12 +84,11 @@ def lamb_step_per_tensor(scratch: LambScratch, group: dict, w: torch.Tensor,
                                beta2=beta2, weight_decay=0.0, eps=eps, amsgrad=False,
                                maximize=False)
             if adapt:
-                norms += torch._foreach_norm([wc, uc])
-        if len(norms) == 2:
-            w_norm, u_norm = norms
-        elif adapt:  # the chunks' norms combine as the root of their sum of squares
-            w_norm, u_norm = torch.stack(norms).view(-1, 2).square().sum(0).sqrt().unbind()
-    ratio = lamb_trust_ratio(w_norm, u_norm, group["trust_clip"]).item() if adapt else 1.0
+                parts.append(norms([wc, uc]))
+        if adapt:  # the chunks' norms combine as the root of their sum of squares
+            both = parts[0] if len(parts) == 1 else torch.stack(parts).square().sum(0).sqrt()
+            w_norm, u_norm = both.tolist()
+    ratio = lamb_trust_ratio(w_norm, u_norm, group["trust_clip"]) if adapt else 1.0
     w.sub_(u, alpha=lr * ratio)
     return ratio
 
@@ -103,7 +99,7 @@ def _chunks(*tensors: torch.Tensor):
     if n <= CHUNK:
         yield tensors
         return
-    flat = [_memory_order(t) for t in tensors]
+    flat = [memory_order(t) for t in tensors]
     for start in range(0, n, CHUNK):
         yield tuple(t[start:start + CHUNK] for t in flat)
 

@@ -1,10 +1,13 @@
 """Named steps that LARS and LAMB are built from, each written once.
 
-The scalar rules work on tensors of norms: a 0-d tensor per parameter in the
-reference kernel, a stacked 1-d tensor in the multi-tensor kernel. The same
-elementwise arithmetic runs in both, so the float64 reference stays the spec,
-and nothing here reads a value back to the host (a CUDA step never syncs).
-Zero norms are handled with ``torch.where``, not with Python branches.
+The scalar rules take norms as tensors (a 0-d tensor per parameter in the
+reference kernel, a stacked 1-d tensor in the multi-tensor kernel) or as
+Python floats (the CPU per-tensor kernel, where a tensor op costs ~2 us of
+dispatch and a rule of ten of them would cost more than the arithmetic it
+guards). The same expression serves both: only ``_where`` and ``_minimum``
+look at the type. Nothing here reads a tensor back to the host (a CUDA step
+never syncs), and zero norms are selected, not branched on, so a masked-out
+denominator is replaced by 1 rather than divided by.
 """
 
 from __future__ import annotations
@@ -14,8 +17,20 @@ import torch
 Scalar = float | torch.Tensor
 
 
-def lars_local_lr(lr: Scalar, coeff: float, w_norm: torch.Tensor, g_norm: torch.Tensor,
-                  weight_decay: float, eps: float, trust_clip: bool) -> torch.Tensor:
+def _where(cond, a, b):
+    """``torch.where`` for tensors, a conditional expression for Python bools."""
+    if isinstance(cond, torch.Tensor):
+        return torch.where(cond, a, b)
+    return a if cond else b
+
+
+def _minimum(x, cap):
+    """``min(x, cap)`` elementwise (``cap`` a float or a 0-d tensor)."""
+    return x.clamp(max=cap) if isinstance(x, torch.Tensor) else min(x, cap)
+
+
+def lars_local_lr(lr: Scalar, coeff: float, w_norm: Scalar, g_norm: Scalar,
+                  weight_decay: float, eps: float, trust_clip: bool) -> Scalar:
     """LARS layer-wise learning rate (You et al. 2017, Fleet's ``lars_momentum``).
 
     ``adaptive = coeff * ||w|| / (||g|| + weight_decay * ||w|| + eps)`` and
@@ -29,9 +44,10 @@ def lars_local_lr(lr: Scalar, coeff: float, w_norm: torch.Tensor, g_norm: torch.
     ``local_lr = lr`` when either norm is zero, so zero-initialised layers still
     move and nothing divides by zero.
     """
-    adaptive = coeff * w_norm / (g_norm + weight_decay * w_norm + eps)
-    local = adaptive.clamp(max=lr) if trust_clip else lr * adaptive
-    return torch.where((w_norm == 0) | (g_norm == 0), lr, local)
+    skip = (w_norm == 0) | (g_norm == 0)
+    adaptive = coeff * w_norm / _where(skip, 1.0, g_norm + weight_decay * w_norm + eps)
+    local = _minimum(adaptive, lr) if trust_clip else lr * adaptive
+    return _where(skip, lr, local)
 
 
 def lars_momentum_coefficients(local_lr: torch.Tensor, prev_lr: torch.Tensor, momentum: float
@@ -57,16 +73,16 @@ def lars_momentum_coefficients(local_lr: torch.Tensor, prev_lr: torch.Tensor, mo
     return unit, carry, d_coef
 
 
-def lamb_trust_ratio(w_norm: torch.Tensor, u_norm: torch.Tensor, trust_clip: bool
-                     ) -> torch.Tensor:
+def lamb_trust_ratio(w_norm: Scalar, u_norm: Scalar, trust_clip: bool) -> Scalar:
     """LAMB trust ratio ``||w|| / ||u||`` (You et al. 2020), 1 when a norm is 0.
 
     With ``trust_clip`` the ratio is capped at 1.
     """
-    ratio = w_norm / u_norm
+    skip = (w_norm == 0) | (u_norm == 0)
+    ratio = w_norm / _where(skip, 1.0, u_norm)
     if trust_clip:
-        ratio = ratio.clamp(max=1.0)
-    return torch.where((w_norm == 0) | (u_norm == 0), 1.0, ratio)
+        ratio = _minimum(ratio, 1.0)
+    return _where(skip, 1.0, ratio)
 
 
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:

@@ -25,6 +25,8 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from ._base import LayerwiseOptimizer, as_state_tensor, by_device_and_dtype, fusable, in_param_order
+from ._blocks import blocks
+from ._blocks import norms as block_norms
 from ._norms import local, stack, whole_norms
 from ._params import check_range
 from ._steps import lars_local_lr, lars_momentum_coefficients, lars_reference_update
@@ -90,12 +92,13 @@ class LARS(LayerwiseOptimizer):
     def _state(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(momentum buffer's local tensor, local_lr as a 0-d tensor) for ``w``."""
         state = self.state[w]
+        w_ = local(w)
         if not state:
             # zeros_like keeps a dense parameter's strides (and a DTensor's placements).
             state["momentum_buffer"] = torch.zeros_like(w)
-            state["local_lr"] = torch.zeros((), dtype=local(w).dtype, device=local(w).device)
-        state["local_lr"] = as_state_tensor(state["local_lr"], local(w))
-        return local(state["momentum_buffer"]), state["local_lr"]
+            state["local_lr"] = torch.zeros((), dtype=w_.dtype, device=w_.device)
+        state["local_lr"] = prev = as_state_tensor(state["local_lr"], w_)
+        return local(state["momentum_buffer"]), prev
 
     def _local_lrs(self, group, params, norms) -> torch.Tensor:
         """Every tensor's ``local_lr`` in ``params`` as one 1-d tensor."""
@@ -108,6 +111,10 @@ class LARS(LayerwiseOptimizer):
                              group["weight_decay"], group["eps"], group["trust_clip"])
 
     def _update(self, work, kernel, ratios):
+        if kernel == "per_tensor":
+            for group, params in work:
+                self._per_tensor_group(group, params, ratios)
+            return
         # The norms of every adapted tensor, reduced together: one collective per step.
         adapted = [w for group, params in work if self._adapts(group) for w in params]
         norms = whole_norms(adapted + [w.grad for w in adapted], adapted + adapted)
@@ -129,26 +136,62 @@ class LARS(LayerwiseOptimizer):
             else:
                 local_lrs = [lr] * len(params)
             for w, local_lr in zip(params, local_lrs, strict=True):
-                self._per_tensor(group, w, local_lr, fused=kernel == "per_tensor")
+                b, prev_t = self._state(w)
+                prev_t.fill_(lars_reference_update(local(w), local(w.grad), b, local_lr,
+                                                   prev_t.item(), group["momentum"],
+                                                   group["weight_decay"], group["nesterov"]))
                 if ratios is not None:
                     ratios.append(local_lr / lr if adapt and lr > 0 else 1.0)
 
-    def _per_tensor(self, group, w, local_lr: float, fused: bool) -> None:
-        """One tensor: torch's fused SGD kernel where it applies, else the reference."""
-        b, prev_t = self._state(w)
-        prev = prev_t.item()
-        w_, g = local(w), local(w.grad)
-        mu, wd = group["momentum"], group["weight_decay"]
-        carry = mu * prev / local_lr if local_lr else 0.0
-        if fused and local_lr and not group["nesterov"] and fusable(w_, g, b):
+    def _per_tensor_group(self, group, params, ratios) -> None:
+        """One group of plain tensors, a cache-sized block at a time (see ``_blocks``).
+
+        Per block: the norms of ``w`` and ``g`` by dot products and the stored
+        ``local_lr`` values, read to the host together; ``lars_local_lr`` on
+        Python floats; then torch's fused SGD tensor by tensor while the block
+        is still in cache (the reference update where it cannot apply).
+        """
+        lr = float(group["lr"])
+        adapt = self._adapts(group)
+        coeff, wd, eps, clip = (group["trust_coefficient"], group["weight_decay"],
+                                group["eps"], group["trust_clip"])
+        for idx in blocks(params):
+            block = [params[i] for i in idx]
+            states = [self._state(w) for w in block]
+            prev_ts = [p for _, p in states]
+            if adapt:
+                k = len(block)
+                n = block_norms(block + [w.grad for w in block])
+                values = torch.cat([n, torch.stack(prev_ts).to(n.dtype)]).tolist()
+                local_lrs = [lars_local_lr(lr, coeff, wn, gn, wd, eps, clip)
+                             for wn, gn in zip(values[:k], values[k: 2 * k], strict=True)]
+                prevs = values[2 * k:]
+            else:
+                local_lrs = [lr] * len(block)
+                prevs = torch.stack(prev_ts).tolist()
+            units = [self._per_tensor(group, w, b, local_lr, prev)
+                     for w, (b, _), local_lr, prev in zip(block, states, local_lrs, prevs,
+                                                          strict=True)]
+            torch._foreach_copy_(prev_ts, torch.tensor(units, dtype=prev_ts[0].dtype).unbind())
+            if ratios is not None:
+                ratios.extend(x / lr if adapt and lr > 0 else 1.0 for x in local_lrs)
+
+    @staticmethod
+    def _per_tensor(group, w, b, local_lr: float, prev: float) -> float:
+        """One plain tensor: torch's fused SGD where it applies, else the reference.
+
+        Returns the buffer's new unit.
+        """
+        g = w.grad
+        if local_lr and not group["nesterov"] and fusable(w, g, b):
+            carry = group["momentum"] * prev / local_lr
             # The kernel wants momentum > 0; with carry 0 its first-step mode sets b = d.
-            torch._fused_sgd_([w_], [g], [b], weight_decay=wd, momentum=carry or 1.0,
-                              lr=local_lr, dampening=0.0, nesterov=False, maximize=False,
-                              is_first_step=carry == 0.0)
-            unit = local_lr
-        else:
-            unit = lars_reference_update(w_, g, b, local_lr, prev, mu, wd, group["nesterov"])
-        prev_t.fill_(unit)
+            torch._fused_sgd_([w], [g], [b], weight_decay=group["weight_decay"],
+                              momentum=carry or 1.0, lr=local_lr, dampening=0.0,
+                              nesterov=False, maximize=False, is_first_step=carry == 0.0)
+            return local_lr
+        return lars_reference_update(w, g, b, local_lr, prev, group["momentum"],
+                                     group["weight_decay"], group["nesterov"])
 
     def _multi_tensor(self, group, params, w_norms, g_norms) -> torch.Tensor:
         """One (device, dtype) bucket with foreach ops; nothing read to the host.

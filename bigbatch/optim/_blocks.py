@@ -1,0 +1,81 @@
+"""Cache-sized blocks of tensors and their norms, for the per-tensor (CPU) kernels.
+
+A layer-wise step reads every tensor twice: once for the norms that set its
+rate, once for the update that rate scales. Norms of *all* tensors first and
+updates after stream the whole model from memory twice. Taken a block at a
+time (consecutive tensors, at most ``BLOCK`` elements, or one larger tensor),
+the update finds the block still in cache. On ResNet-50 shapes (2 threads,
+32 MiB L3) this made LARS's norms + fused SGD about 25 % faster than the
+all-norms-first order.
+
+Per block the norms come back as one 1-d tensor, so the trust-ratio rules of
+``_steps.py`` run once per block on stacked norms (a handful of ops, not a
+handful per tensor), and the results reach the host in one ``tolist()``:
+a host read costs nothing on CPU, and the fused kernels take Python floats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from ._base import dense
+
+# Elements per block: w, g and a state tensor (LARS), or w, u and the chunk
+# traffic of LAMB's first pass, of 1 M fp32 elements stay well inside a shared
+# 32 MiB L3, while the per-block ops (stack, rule, tolist) stay negligible.
+BLOCK = 1 << 20
+
+
+def blocks(tensors: list[torch.Tensor], size: int = BLOCK) -> Iterator[list[int]]:
+    """Indices of consecutive runs of ``tensors`` of one (device, dtype), at most
+    ``size`` elements each; a tensor larger than ``size`` is a run by itself."""
+    run: list[int] = []
+    total = 0
+    kind = None
+    for i, t in enumerate(tensors):
+        n = t.numel()
+        if run and (total + n > size or (t.device, t.dtype) != kind):
+            yield run
+            run, total = [], 0
+        run.append(i)
+        total += n
+        kind = (t.device, t.dtype)
+    if run:
+        yield run
+
+
+# Below this many elements a tensor's norm is mostly dispatch: those of a block
+# go through one ``torch._foreach_norm`` call instead of a dot product each.
+DOT_MIN = 1 << 15
+
+
+def memory_order(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor as 1-d in memory order (a view)."""
+    if t.is_contiguous():
+        return t.view(-1)
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+def norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of each tensor, as one 1-d tensor.
+
+    Large dense tensors use a BLAS dot product over their memory: on CPU about
+    20 % faster than torch's norm reduction, and in float32 no less accurate
+    (its partial sums are blocked too); underflow and overflow are those of
+    the norm reduction, which also squares elements in the tensor's dtype.
+    Small or non-dense tensors share one ``torch._foreach_norm`` call.
+    """
+    out: list = [None] * len(tensors)
+    rest = []
+    for i, t in enumerate(tensors):
+        if t.numel() >= DOT_MIN and dense(t):
+            flat = memory_order(t)
+            out[i] = torch.dot(flat, flat).sqrt()
+        else:
+            rest.append(i)
+    if rest:
+        for i, n in zip(rest, torch._foreach_norm([tensors[i] for i in rest]), strict=True):
+            out[i] = n
+    return torch.stack(out)
