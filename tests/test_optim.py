@@ -19,12 +19,8 @@ FAST = pytest.mark.parametrize("fast", [False, True], ids=["reference", "fast"])
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny tensors: intra-op threads only add contention on the shared 2-core box.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(before)
 
 
 def vec(*xs):

@@ -17,11 +17,8 @@ FAST_KERNELS = ["per_tensor", "multi_tensor"]
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(before)
 
 
 def make_layout(layout: str, seed: int = 0) -> nn.Parameter:

@@ -13,12 +13,8 @@ F64 = torch.float64
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny tensors: intra-op threads only add contention on the shared 2-core box.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(before)
 
 
 # ------------------------------------------------- fast path == reference path
