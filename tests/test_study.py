@@ -11,6 +11,7 @@ import torch
 import bigbatch.cli.study as C
 import bigbatch.study.sweep as S
 from bigbatch.errors import ConfigError
+from bigbatch.study.config import QUICK
 from bigbatch.study.report import _claim_accuracy, _claim_scaling, _fit_mccandlish, steps_to_target
 from bigbatch.study.sweep import StudyConfig, run_study
 
@@ -196,7 +197,7 @@ def test_config_file_then_flags(tmp_path):
     with pytest.raises(ConfigError, match="unknown key study.batch"):
         C.config_from_args(_args("--config", str(path)))
     quick = C.config_from_args(_args("--quick", "--strategies", "sgd"))
-    assert quick.strategies == ["sgd"] and quick.batches == S.QUICK["mnist1d"]["batches"]
+    assert quick.strategies == ["sgd"] and quick.batches == QUICK["mnist1d"]["batches"]
 
 
 def test_strategies_follow_their_rules():

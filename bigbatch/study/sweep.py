@@ -2,7 +2,7 @@
 
 Every (strategy, global batch) cell trains the same task from the same seed for
 the same number of epochs; each strategy scales one small-batch recipe (the
-task's `Recipe`) by its own rule (`RULES`). Each cell writes the usual `train`
+task's `Recipe`) by its own rule (`bigbatch.study.rules.RULES`). Each cell writes the usual `train`
 outputs under `OUT/cells/<strategy>-b<batch>/`; the study then reads their
 `metrics.jsonl` / `summary.json` and writes `OUT/report.md`, `OUT/results.json`
 and PNG figures (`bigbatch.study.report`). The strategies and their rules are in
@@ -29,10 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bigbatch.errors import ConfigError
-from bigbatch.study.config import QUICK as QUICK
 from bigbatch.study.config import StudyConfig
-from bigbatch.study.rules import RULES as RULES
-from bigbatch.study.rules import STRATEGIES as STRATEGIES
 from bigbatch.study.rules import _warmup_epochs, cell_strategy
 
 CELL_FILE, PENDING_FILE, CELL_STRATEGY = "study_cell.json", "study_pending.json", "study_strategy.toml"
