@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ._norms import is_dtensor, local
+from ._norms import is_dtensor
 from ._params import split_by_exclusion
 
 # Dtypes torch's fused CPU kernels accept; the per-tensor kernel needs them.
@@ -124,15 +124,6 @@ class LayerwiseOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             given = group.get("param_names")
             names.extend(given if given is not None else [None] * len(group["params"]))
         return names
-
-
-def by_device_and_dtype(params: list[torch.Tensor]) -> list[list[int]]:
-    """Indices of ``params`` bucketed by their local tensor's (device, dtype), in order."""
-    buckets: dict = {}
-    for i, p in enumerate(params):
-        t = local(p)
-        buckets.setdefault((t.device, t.dtype), []).append(i)
-    return list(buckets.values())
 
 
 def in_param_order(buckets: list[list[int]], parts: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -27,7 +27,7 @@ import torch
 
 from ._base import fusable
 from ._blocks import memory_order, norms
-from ._steps import adam_direction, lamb_trust_ratio
+from ._steps import adam_direction, lamb_trust_ratio, no_bias_correction_step
 
 # Elements per chunk: five fp32 arrays of this size (g, m, v, u, w) stay within
 # a typical L2 + L3 slice, while a chunk is large enough that per-call overhead
@@ -68,10 +68,11 @@ def lamb_step_per_tensor(scratch: LambScratch, group: dict, w: torch.Tensor,
                        int(step.item()) if group["bias_correction"] else None)
         if wd:
             u.add_(w, alpha=wd)
-        w_norm, u_norm = norms([w, u]).tolist()
+        if adapt:
+            w_norm, u_norm = norms([w, u]).tolist()
     else:
         u = scratch.like(w)
-        count = step if group["bias_correction"] else _inf_step(w.device)
+        count = step if group["bias_correction"] else no_bias_correction_step(w.device)
         parts: list[torch.Tensor] = []
         for uc, gc, mc, vc, wc in _chunks(u, g, m, v, w):
             # u starts as weight_decay * w; the fused kernel then adds r
@@ -102,8 +103,3 @@ def _chunks(*tensors: torch.Tensor):
     flat = [memory_order(t) for t in tensors]
     for start in range(0, n, CHUNK):
         yield tuple(t[start:start + CHUNK] for t in flat)
-
-
-def _inf_step(device: torch.device) -> torch.Tensor:
-    # An infinite step makes 1 - beta^t exactly 1: the fused kernel without bias correction.
-    return torch.full((), float("inf"), device=device)

@@ -43,15 +43,22 @@ def _shard_key(t: torch.Tensor):
     return (t.device_mesh, dims) if dims else None
 
 
+def by_device_and_dtype(params: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``params`` bucketed by their local tensor's (device, dtype), in order."""
+    buckets: dict = {}
+    for i, p in enumerate(params):
+        t = local(p)
+        buckets.setdefault((t.device, t.dtype), []).append(i)
+    return list(buckets.values())
+
+
 def _local_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """L2 norm of each (local) tensor as 0-d tensors: one multi-tensor reduction per kind."""
-    kinds: dict = {}
-    for i, t in enumerate(tensors):
-        kinds.setdefault((t.device, t.dtype), []).append(i)
-    if len(kinds) == 1:
+    buckets = by_device_and_dtype(tensors)
+    if len(buckets) == 1:
         return list(torch._foreach_norm(tensors))
     out: list = [None] * len(tensors)
-    for idx in kinds.values():
+    for idx in buckets:
         for i, n in zip(idx, torch._foreach_norm([tensors[i] for i in idx]), strict=True):
             out[i] = n
     return out

@@ -123,3 +123,11 @@ def lars_reference_update(w: torch.Tensor, g: torch.Tensor, b: torch.Tensor,
     else:
         w.sub_(b, alpha=local_lr)
     return local_lr
+
+
+def no_bias_correction_step(device: torch.device) -> torch.Tensor:
+    """The step count that makes torch's fused Adam skip bias correction.
+
+    An infinite step makes ``1 - beta^t`` exactly 1.
+    """
+    return torch.full((), float("inf"), device=device)

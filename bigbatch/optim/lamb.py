@@ -27,11 +27,11 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ._base import LayerwiseOptimizer, by_device_and_dtype, fusable, in_param_order
+from ._base import LayerwiseOptimizer, fusable, in_param_order
 from ._lamb_cpu import LambScratch, lamb_step_per_tensor
-from ._norms import global_norm, local, stack, whole_norms
+from ._norms import by_device_and_dtype, global_norm, local, stack, whole_norms
 from ._params import check_range
-from ._steps import adam_direction, clip_coefficient, lamb_trust_ratio
+from ._steps import adam_direction, clip_coefficient, lamb_trust_ratio, no_bias_correction_step
 
 __all__ = ["LAMB"]
 
@@ -185,10 +185,8 @@ class LAMB(LayerwiseOptimizer):
               for u, g in zip(us, (local(w.grad) for w in params), strict=True)]
         ms = [m for _, m, _ in states]
         vs = [v for _, _, v in states]
-        if group["bias_correction"]:
-            counts = steps
-        else:  # an infinite step makes 1 - beta^t exactly 1
-            counts = [torch.full((), float("inf"), device=s.device) for s in steps]
+        counts = steps if group["bias_correction"] else [
+            no_bias_correction_step(s.device) for s in steps]
         torch._foreach_zero_(us)
         # lr = -1 on a zero "parameter" leaves exactly r = m_hat / (sqrt(v_hat) + eps) in u.
         torch._fused_adam_(us, gs, ms, vs, [], counts, lr=-1.0, beta1=beta1, beta2=beta2,

@@ -24,10 +24,10 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ._base import LayerwiseOptimizer, as_state_tensor, by_device_and_dtype, fusable, in_param_order
+from ._base import LayerwiseOptimizer, as_state_tensor, fusable, in_param_order
 from ._blocks import blocks
 from ._blocks import norms as block_norms
-from ._norms import local, stack, whole_norms
+from ._norms import by_device_and_dtype, local, stack, whole_norms
 from ._params import check_range
 from ._steps import lars_local_lr, lars_momentum_coefficients, lars_reference_update
 
