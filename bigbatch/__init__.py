@@ -33,6 +33,7 @@ _WHERE = {
     "adascale": "bigbatch.adaptive.adascale", "adasum": "bigbatch.adaptive.adasum",
     "gns": "bigbatch.adaptive.gns", "elastic": "bigbatch.config.elastic",
     "scaling": "bigbatch.config.scaling", "schedules": "bigbatch.config.schedules",
+    "kfac": "bigbatch.optim.kfac",
     "lr_find": "bigbatch.study.lr_find:lr_find",
 }
 
@@ -43,7 +44,7 @@ __all__ = [
     "TrainConfig", "get_task",
     "GradientNoiseScale", "AdaScale",
     "ConfigError",
-    "adascale", "adasum", "elastic", "gns", "scaling", "schedules",
+    "adascale", "adasum", "elastic", "gns", "kfac", "scaling", "schedules",
     "lr_find",
     "__version__",
 ]

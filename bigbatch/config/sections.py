@@ -373,6 +373,57 @@ class PipelineConfig(_Section):
                 f"{stages} stages need {stages - 1} (where stages 2..{stages} begin)")
 
 
+@dataclass(frozen=True)
+class KfacConfig(_Section):
+    """``[kfac]``: K-FAC preconditioning (Martens & Grosse 2015; Osawa et al. 2019) of the
+    gradients of Linear and convolution layers, before the inner optimizer (momentum SGD or
+    LARS). See `bigbatch.optim.kfac` for the maths."""
+
+    section: ClassVar[str] = "kfac"
+
+    enable: bool = _f(True)
+    """Switch K-FAC on (a present [kfac] section means true)."""
+    damping: float = _f(0.001, gt=0)
+    """Tikhonov damping λ, split over both factors as π√λ and √λ/π."""
+    factor_decay: float = _f(0.95, ge=0, lt=1)
+    """Running average of the factors: new = decay x old + (1 - decay) x this step's."""
+    factor_update_freq: int = _f(1, ge=1)
+    """Optimizer steps between factor updates (each collects all the step's micro-steps)."""
+    inv_update_freq: int = _f(10, ge=1)
+    """Optimizer steps between eigendecompositions of the factors."""
+    kl_clip: float = _f(0.001, ge=0)
+    """Scale the preconditioned step so that lr^2 g^T F^-1 g <= kl_clip; 0: no clipping."""
+    layers: tuple[str, ...] = _f(("Linear", "Conv1d", "Conv2d"))
+    """Module types to precondition (Linear, Conv1d, Conv2d); other modules pass through."""
+    exclude: tuple[str, ...] = _f(())
+    """Module names (as in named_modules()) left unpreconditioned."""
+
+    def _check(self) -> None:
+        known = ("Linear", "Conv1d", "Conv2d")
+        for name in self.layers:
+            if name not in known:
+                guess = closest(name, list(known))
+                hint = f"; did you mean `{guess}`?" if guess else ""
+                raise ConfigError(f"kfac.layers: unknown layer type {name!r}; allowed: "
+                                  f"{', '.join(known)}{hint}")
+
+    def check_with(self, strategy: Any) -> None:
+        """What K-FAC does not combine with: an Adam-type inner optimizer, and parallel
+        forms that split a layer's gradient or activations (called by Strategy)."""
+        if not self.enable:
+            return
+        if strategy.optimizer.type != "momentum":
+            inner = "[lamb]" if strategy.lamb.enable else f'optimizer.type = "{strategy.optimizer.type}"'
+            raise ConfigError(f'[kfac] needs momentum SGD or [lars] inside it; {inner} is not '
+                              'supported (set optimizer.type = "momentum")')
+        split = ("[sharding]" if strategy.sharding.enable else "[pipeline]"
+                 if strategy.pipeline.enable else "tensor parallelism"
+                 if strategy.tensor_parallel.tensor_parallel_degree > 1 else None)
+        if split is not None:
+            raise ConfigError(f"[kfac] with {split}: K-FAC needs every layer's whole gradient "
+                              "and activations on each rank; use plain data parallelism")
+
+
 SECTIONS: dict[str, type[_Section]] = {
     c.section: c
     for c in (
@@ -388,6 +439,7 @@ SECTIONS: dict[str, type[_Section]] = {
         ShardingConfig,
         TensorParallelConfig,
         PipelineConfig,
+        KfacConfig,
     )
 }
 KEYS = {name: [f.name for f in dataclasses.fields(c)] for name, c in SECTIONS.items()}

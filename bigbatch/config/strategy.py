@@ -46,6 +46,7 @@ from bigbatch.config.sections import (
     BatchConfig,
     DataParallelConfig,
     GradientMergeConfig,
+    KfacConfig,
     LambConfig,
     LarsConfig,
     OptimizerConfig,
@@ -145,6 +146,8 @@ class Strategy:
     """[tensor_parallel]: Megatron-style tensor parallelism (degree 1: off)."""
     pipeline: PipelineConfig = _off(PipelineConfig)
     """[pipeline]: pipeline parallelism (off by default)."""
+    kfac: KfacConfig = _off(KfacConfig)
+    """[kfac]: K-FAC preconditioning before momentum SGD or LARS (off by default)."""
 
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():
@@ -179,6 +182,7 @@ class Strategy:
             raise ConfigError(
                 f"lamb.max_grad_norm={self.lamb.max_grad_norm} and optimizer.max_grad_norm="
                 f"{opt.max_grad_norm} are one setting (clip the global gradient norm); set one")
+        self.kfac.check_with(self)
         if self.adaptive.lr == "adascale" and self.batch.scaling != "none":
             raise ConfigError(
                 f'adaptive.lr = "adascale" supplies its own LR gain; set batch.scaling = "none" '
@@ -405,7 +409,10 @@ class Strategy:
         return self.optimizer.max_grad_norm
 
     def optimizer_name(self) -> str:
-        """The optimizer the engine builds: ``LARS``, ``LAMB``, ``momentum`` or ``adamw``."""
+        """The optimizer the engine builds: ``LARS``, ``LAMB``, ``momentum`` or ``adamw``
+        (``K-FAC + momentum``, ``K-FAC + LARS`` with [kfac])."""
+        if self.kfac.enable:
+            return "K-FAC + " + ("LARS" if self.lars.enable else self.optimizer.type)
         if self.lars.enable:
             return "LARS"
         if self.lamb.enable:

@@ -148,4 +148,8 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
               loss_parallel=loss_parallel, pipeline=pipeline)
     if needs_gns:
         _adaptive.attach(run)
+    if strategy.kfac.enable:
+        from bigbatch.engine.kfac import attach_kfac
+
+        attach_kfac(run)
     return run

@@ -49,6 +49,7 @@ class RunLike(Protocol):
     batch_size_changes: list[dict[str, Any]]
     last_step_seconds: float
     sync_timing: bool
+    track_grad_norm: bool
 
     def micro_step(self) -> Any: ...
     def lr_at(self, progress: float) -> float: ...

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-MARKERS = {"sgd": "o", "lars": "s", "lamb": "D", "adascale": "^"}
-STYLES = {"sgd": "-", "lars": "--", "lamb": "-.", "adascale": ":"}
+MARKERS = {"sgd": "o", "lars": "s", "lamb": "D", "adascale": "^", "kfac": "P"}
+STYLES = {"sgd": "-", "lars": "--", "lamb": "-.", "adascale": ":", "kfac": (0, (5, 1, 1, 1))}
 
 
 def _pyplot():

@@ -95,6 +95,11 @@ def _settings(strategy: Any) -> str:
         parts.append(f"weight decay {o.weight_decay:g}")
     if strategy.adaptive.lr != "none":
         parts.append(f"adaptive lr {strategy.adaptive.lr}")
+    if strategy.kfac.enable:
+        k = strategy.kfac
+        parts.append(f"K-FAC damping {k.damping:g}, factor decay {k.factor_decay:g}, factors every "
+                     f"{k.factor_update_freq} / eigenbases every {k.inv_update_freq} steps, "
+                     f"kl_clip {k.kl_clip:g}")
     return ", ".join(parts)
 
 

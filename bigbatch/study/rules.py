@@ -21,12 +21,13 @@ class Grid(Protocol):
     overrides: dict[str, list[str]]
 
 
-STRATEGIES = ("sgd", "lars", "lamb", "adascale")
+STRATEGIES = ("sgd", "lars", "lamb", "adascale", "kfac")
 RULES = {
     "sgd": "the recipe's optimizer, linear LR scaling + gradual warmup (Goyal et al. 2017)",
     "lars": "LARS on momentum SGD, linear LR scaling + warmup (You et al. 2017)",
     "lamb": "LAMB on AdamW, square-root LR scaling + warmup (You et al. 2020)",
     "adascale": "the recipe's optimizer, AdaScale LR gain, no scaling rule (Johnson et al. 2020)",
+    "kfac": "K-FAC preconditioning on momentum SGD, linear LR scaling + warmup (Osawa et al. 2019)",
 }
 LAYERWISE_EXCLUDE = ["bn", "norm", "bias"]
 #: LR of LARS / LAMB when the recipe's optimizer is the other family (their per-step
@@ -77,5 +78,10 @@ def cell_strategy(c: Grid, recipe: Any, name: str, batch: int) -> Any:
     elif name == "adascale":
         b.update(scaling="none", warmup_epochs=recipe.warmup_epochs)
         d["adaptive"]["lr"] = "adascale"
+    elif name == "kfac":  # [kfac]'s defaults; an Adam-type recipe gets momentum SGD's LR
+        if not momentum_recipe:
+            b["base_lr"] = LARS_DEFAULT["base_lr"]
+            d["optimizer"] = {"type": "momentum", "momentum": 0.9, "weight_decay": 5e-4}
+        d["kfac"] = {}
     s = Strategy.from_dict(d)
     return s.with_overrides([*c.overrides.get("all", []), *c.overrides.get(name, [])])
