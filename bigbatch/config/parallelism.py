@@ -121,10 +121,10 @@ def check_parallel_combination(strategy: Any) -> None:
     what = "[sharding]" if sharded else "tensor parallelism" if tp > 1 else "[pipeline]"
     reduce = "dgc" if strategy.dgc.enable else strategy.data_parallel.reduce
     if reduce != "mean":
+        how = "Adasum combines" if reduce == "adasum" else "that reduce is a DDP comm hook over"
         raise ConfigError(
-            f"data_parallel.reduce={reduce!r} with {what}: that reduce is a DDP comm hook over "
-            "whole per-worker gradients, which sharded or sliced gradients are not; use "
-            "reduce = \"mean\"")
+            f"data_parallel.reduce={reduce!r} with {what}: {how} whole per-worker gradients, "
+            "which sharded or sliced gradients are not; use reduce = \"mean\"")
     if strategy.adaptive.active:
         raise ConfigError(
             f"[adaptive] with {what}: the noise scale, AdaScale and goodput need each worker's "
