@@ -13,8 +13,8 @@ from _dist import run_workers
 from torch import nn
 
 from bigbatch.config.strategy import Strategy
-from bigbatch.engine.kfac import _assign
 from bigbatch.engine import prepare
+from bigbatch.engine.kfac import _assign
 from bigbatch.errors import ConfigError
 from bigbatch.optim import kfac as K
 from bigbatch.parallel.world import World

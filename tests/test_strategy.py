@@ -285,7 +285,7 @@ def test_direct_construction_validates_and_coerces():
         ("[data_parallel]\nbucket_cap_mb = 0", "data_parallel.bucket_cap_mb must be in (0, 1e+06], got 0.0"),
         (
             "[data_parallel]\nreduce = 'sum'",
-            "data_parallel.reduce must be one of mean, adasum; got 'sum'",
+            "data_parallel.reduce must be one of mean, adasum, fp16, bf16, powersgd, dgc; got 'sum'",
         ),
         ("[data_parallel]\ntimeout_s = 0", "data_parallel.timeout_s must be in (0, 604800], got 0.0"),
         ("[adaptive]\nlr = 'adam'", "adaptive.lr must be one of none, adascale; got 'adam'"),

@@ -86,6 +86,10 @@ def preflight(config, strategy, world_size: int | None, *, checks_out: bool = Tr
             raise ConfigError(f"--resume: no usable checkpoint in {out / 'checkpoints'}")
         ckpt = load_training_checkpoint(path)
         check_resume(config, strategy, ckpt, path.name, cls.default_model)
+        if world_size is not None:  # parameter-server checkpoints need the same ranks
+            from bigbatch.train.ps_job import check_resume as check_ps_resume
+
+            check_ps_resume(ckpt, strategy, world_size, path.name)
     options = check_options(config.task, config.task_options)
     if config.model is not None and config.model not in cls.models:
         raise ConfigError(f"model={config.model!r} is not a model of task {config.task!r}; "

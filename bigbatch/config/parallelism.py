@@ -31,6 +31,8 @@ class Degrees:
     """ZeRO stage, 0 without [sharding]."""
     pipeline: int = 1
     """Pipeline stages (ranks along the pipeline)."""
+    servers: int = 0
+    """Parameter-server ranks (the first ones); the data-parallel ranks follow them."""
 
     @property
     def data(self) -> int:
@@ -39,11 +41,11 @@ class Degrees:
 
     def data_rank(self, rank: int) -> int:
         """The data-parallel index of global `rank` (tensor innermost, pipeline outermost)."""
-        return rank // self.tensor % self.data
+        return (rank - self.servers) // self.tensor % self.data
 
     @property
     def world(self) -> int:
-        return self.pipeline * self.data * self.tensor
+        return self.pipeline * self.data * self.tensor + self.servers
 
     @property
     def uses_mesh(self) -> bool:
@@ -60,11 +62,20 @@ class Degrees:
             text += f", ZeRO-{self.stage}"
             if self.replicate > 1:
                 text += f" over {self.shard} of {self.data}"
+        if self.servers:
+            text += f" + {self.servers} parameter server{'s' if self.servers > 1 else ''}"
         return text
 
 
 def degrees(strategy: Any, world_size: int) -> Degrees:
     """The mesh degrees of `strategy` on `world_size` ranks; a ConfigError if they don't fit."""
+    ps = strategy.parameter_server
+    if ps.enable:  # the other settings' checks refuse meshes with a parameter server
+        if world_size <= ps.servers:
+            raise ConfigError(
+                f"parameter_server.servers={ps.servers} leaves no worker among {world_size} "
+                f"ranks; start more ranks (--nproc >= {ps.servers + 1})")
+        return Degrees(replicate=world_size - ps.servers, servers=ps.servers)
     tp = strategy.tensor_parallel.tensor_parallel_degree
     pp = strategy.pipeline.pp_degree if strategy.pipeline.enable else 1
     if world_size % (tp * pp):
@@ -108,11 +119,12 @@ def check_parallel_combination(strategy: Any) -> None:
     if not sharded and tp == 1 and not pipe.enable:
         return
     what = "[sharding]" if sharded else "tensor parallelism" if tp > 1 else "[pipeline]"
-    if strategy.data_parallel.reduce != "mean":
+    reduce = "dgc" if strategy.dgc.enable else strategy.data_parallel.reduce
+    if reduce != "mean":
+        how = "Adasum combines" if reduce == "adasum" else "that reduce is a DDP comm hook over"
         raise ConfigError(
-            f"data_parallel.reduce={strategy.data_parallel.reduce!r} with {what}: Adasum combines "
-            "whole per-worker gradients, which sharded or sliced gradients are not; use "
-            "reduce = \"mean\"")
+            f"data_parallel.reduce={reduce!r} with {what}: {how} whole per-worker gradients, "
+            "which sharded or sliced gradients are not; use reduce = \"mean\"")
     if strategy.adaptive.active:
         raise ConfigError(
             f"[adaptive] with {what}: the noise scale, AdaScale and goodput need each worker's "

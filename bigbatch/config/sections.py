@@ -16,6 +16,8 @@ from bigbatch.config.scaling import RULES
 from bigbatch.config.schedules import DECAYS, WARMUP_STARTS
 from bigbatch.errors import ConfigError
 
+REDUCES = ("mean", "adasum", "fp16", "bf16", "powersgd", "dgc")
+
 
 def _f(default: Any, **rules: Any) -> Any:
     """A dataclass field whose metadata holds its validation rules.
@@ -248,8 +250,14 @@ class DataParallelConfig(_Section):
     """DDP gradient bucket size in MiB."""
     sync_batch_norm: bool = _f(False)
     """Convert BatchNorm layers to SyncBatchNorm (statistics over all workers)."""
-    reduce: str = _f("mean", choices=("mean", "adasum"))
-    """How worker gradients combine: mean (all-reduce average) or adasum."""
+    reduce: str = _f("mean", choices=REDUCES)
+    """How worker gradients combine: mean (all-reduce average), adasum, fp16 or bf16 (the mean
+    sent at half precision), powersgd (low-rank with error feedback) or dgc (top-k, see [dgc])."""
+    powersgd_rank: int = _f(2, ge=1)
+    """reduce = "powersgd": rank of the low-rank approximation of each gradient matrix."""
+    start_powersgd_iter: int = _f(10, ge=2)
+    """reduce = "powersgd": optimizer steps of plain mean before compression starts (torch's
+    PowerSGD needs >= 2: its error feedback starts from an uncompressed step)."""
     timeout_s: float = _f(300.0, gt=0, le=MAX_TIMEOUT_S)
     """Collective (and rendezvous) timeout in seconds, at most a week."""
 
@@ -424,6 +432,82 @@ class KfacConfig(_Section):
                               "and activations on each rank; use plain data parallelism")
 
 
+@dataclass(frozen=True)
+class DGCConfig(_Section):
+    """``[dgc]``: deep gradient compression (Lin et al. 2018): each worker sends only the
+    largest entries of its momentum-corrected, locally accumulated gradient (a present
+    section switches it on, as does data_parallel.reduce = "dgc")."""
+
+    section: ClassVar[str] = "dgc"
+
+    enable: bool = _f(True)
+    """Switch DGC on (a present [dgc] section means true)."""
+    rampup_begin_step: int = _f(0, ge=0)
+    """Optimizer steps of dense exchange (exactly momentum SGD) before sparsification starts."""
+    rampup_step: int = _f(1, ge=1)
+    """Steps over which the sparsity walks through `sparsity` (equal shares per entry)."""
+    sparsity: tuple[float, ...] = _f((0.999,), ge=0, lt=1)
+    """Share of each tensor's entries held back per step, warming up entry by entry; the
+    last one stays."""
+    min_numel: int = _f(16384, ge=0)
+    """Tensors with fewer elements are all-reduced whole with plain momentum (Fleet's rule,
+    16384; the paper likewise leaves biases and BatchNorm uncompressed)."""
+
+    def _check(self) -> None:
+        if not self.sparsity:
+            raise ConfigError("dgc.sparsity is empty; give at least one share in [0, 1), "
+                              "e.g. [0.75, 0.9375, 0.999]")
+
+
+@dataclass(frozen=True)
+class LocalSGDConfig(_Section):
+    """``[localsgd]``: workers step alone and average their models every k_steps steps
+    (post-local SGD, Lin et al. 2020; torch's PeriodicModelAverager)."""
+
+    section: ClassVar[str] = "localsgd"
+
+    enable: bool = _f(True)
+    """Switch local SGD on (a present [localsgd] section means true)."""
+    k_steps: int = _f(1, ge=1)
+    """Local optimizer steps between model averages."""
+    begin_step: int = _f(1, ge=1)
+    """Steps 1..begin_step are synchronous data parallelism; local steps follow."""
+
+
+@dataclass(frozen=True)
+class AdaptiveLocalSGDConfig(_Section):
+    """``[adaptive_localsgd]``: local SGD whose averaging interval follows the loss and LR
+    (Fleet's rule: k = ceil(sqrt(lr_0 loss / (lr loss_0) x init_k_steps)), 1 <= k <= 16)."""
+
+    section: ClassVar[str] = "adaptive_localsgd"
+
+    enable: bool = _f(True)
+    """Switch adaptive local SGD on (a present section means true)."""
+    init_k_steps: int = _f(1, ge=1)
+    """Local steps before the first average; later intervals follow the rule."""
+    begin_step: int = _f(1, ge=1)
+    """Steps 1..begin_step are synchronous data parallelism; local steps follow."""
+
+
+@dataclass(frozen=True)
+class ParameterServerConfig(_Section):
+    """``[parameter_server]``: server ranks hold the parameters and apply the optimizer,
+    worker ranks pull parameters and push gradients (torch.distributed.rpc)."""
+
+    section: ClassVar[str] = "parameter_server"
+
+    enable: bool = _f(True)
+    """Switch the parameter-server mode on (a present section means true)."""
+    mode: str = _f("sync", choices=("sync", "async"))
+    """sync: a step waits for every worker's gradient (equals data parallelism); async: each
+    gradient is applied as it arrives (Fleet's a_sync)."""
+    servers: int = _f(1, ge=1)
+    """Ranks 0..servers-1 hold parameter shards; the other ranks are workers."""
+    max_staleness: int = _f(4, ge=0)
+    """async: a gradient computed on weights more than this many server updates old is
+    dropped and counted."""
+
+
 SECTIONS: dict[str, type[_Section]] = {
     c.section: c
     for c in (
@@ -440,6 +524,10 @@ SECTIONS: dict[str, type[_Section]] = {
         TensorParallelConfig,
         PipelineConfig,
         KfacConfig,
+        DGCConfig,
+        LocalSGDConfig,
+        AdaptiveLocalSGDConfig,
+        ParameterServerConfig,
     )
 }
 KEYS = {name: [f.name for f in dataclasses.fields(c)] for name, c in SECTIONS.items()}

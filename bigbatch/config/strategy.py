@@ -29,6 +29,7 @@ from typing import Any
 
 import tomli_w
 
+from bigbatch.config.comm import check_comm_combination
 from bigbatch.config.fields import (
     parse_literal,
     read_toml_source,
@@ -42,14 +43,18 @@ from bigbatch.config.sections import (
     KEYS,
     SECTIONS,
     AdaptiveConfig,
+    AdaptiveLocalSGDConfig,
     AmpConfig,
     BatchConfig,
     DataParallelConfig,
+    DGCConfig,
     GradientMergeConfig,
     KfacConfig,
     LambConfig,
     LarsConfig,
+    LocalSGDConfig,
     OptimizerConfig,
+    ParameterServerConfig,
     PipelineConfig,
     RecomputeConfig,
     ShardingConfig,
@@ -148,6 +153,14 @@ class Strategy:
     """[pipeline]: pipeline parallelism (off by default)."""
     kfac: KfacConfig = _off(KfacConfig)
     """[kfac]: K-FAC preconditioning before momentum SGD or LARS (off by default)."""
+    dgc: DGCConfig = _off(DGCConfig)
+    """[dgc]: deep gradient compression (off by default; also data_parallel.reduce = "dgc")."""
+    localsgd: LocalSGDConfig = _off(LocalSGDConfig)
+    """[localsgd]: local SGD with model averaging every k steps (off by default)."""
+    adaptive_localsgd: AdaptiveLocalSGDConfig = _off(AdaptiveLocalSGDConfig)
+    """[adaptive_localsgd]: local SGD with an adaptive interval (off by default)."""
+    parameter_server: ParameterServerConfig = _off(ParameterServerConfig)
+    """[parameter_server]: server and worker ranks on torch.distributed.rpc (off by default)."""
 
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():
@@ -183,6 +196,7 @@ class Strategy:
                 f"lamb.max_grad_norm={self.lamb.max_grad_norm} and optimizer.max_grad_norm="
                 f"{opt.max_grad_norm} are one setting (clip the global gradient norm); set one")
         self.kfac.check_with(self)
+        check_comm_combination(self)
         if self.adaptive.lr == "adascale" and self.batch.scaling != "none":
             raise ConfigError(
                 f'adaptive.lr = "adascale" supplies its own LR gain; set batch.scaling = "none" '

@@ -89,6 +89,16 @@ never exceeds the configured one (the memory limit). After
 `run.adaptive.limit_batch_size(len(train_set))`. The training length stays that
 of `total_steps` configured-batch steps (progress advances by
 ``new_global / configured_global`` per step), so loop on `run.done`.
+
+Less gradient traffic (`bigbatch.parallel.compression`, `bigbatch.parallel.local_sgd`):
+`data_parallel.reduce` = fp16, bf16, powersgd or dgc installs that DDP comm hook
+inside the engine's; DGC reads `run.grad_factor()` during the last backward and owns
+momentum and weight decay (the optimizer is then plain SGD). `[localsgd]` /
+`[adaptive_localsgd]` make `run.local_sgd` average weights after the steps it picks;
+workers hold different weights in between, so call `run.synchronize()` before
+evaluating (`run.state_dict()` calls it, and must come before `model.state_dict()`).
+`run.apply_gradients(grads)` steps on gradients computed elsewhere (the parameter
+server's servers run their optimizer through it).
 """
 
 from .prepare import prepare

@@ -86,6 +86,8 @@ class MicroStep:
                 run._count_tensor = total.clone()
                 run._count_work = all_reduce_sum(run._count_tensor, async_op=True,
                                                  group=run.mesh.dp_group)
+        if run.local_sgd is not None:  # adaptive local SGD's interval follows the loss
+            run.local_sgd.observe(loss, count)
         if mult != 1.0:
             loss = loss * mult
         if run.scaler is not None:

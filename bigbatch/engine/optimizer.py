@@ -45,6 +45,17 @@ def build_optimizer(model: nn.Module, strategy: Any, lr: float,
     return zero_optimizer(groups, cls, **kwargs)
 
 
+def weight_decays(model: nn.Module, strategy: Any) -> dict[int, float]:
+    """The weight decay `build_optimizer` gives each trainable parameter, by `id`."""
+    from bigbatch.optim import param_groups
+
+    _, kwargs, exclude = _recipe(model, strategy, lr=0.0)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return {id(p): float(g["weight_decay"])
+            for g in param_groups(named, kwargs.get("weight_decay", 0.0), exclude)
+            for p in g["params"]}
+
+
 def exclusion_groups(model: nn.Module, weight_decay: float,
                      exclude: tuple[str, ...] | None) -> list[dict[str, Any]]:
     """Param groups: decayed, and excluded (weight decay 0, no trust ratio).

@@ -4,16 +4,18 @@ scaler, in that order. The package docstring (`bigbatch.engine`) is the guide.""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from bigbatch.config.comm import local_sgd_section
 from bigbatch.config.parallelism import check_pipeline_plan, degrees
 from bigbatch.engine import adaptive as _adaptive
 from bigbatch.engine.amp import LossScaler, amp_dtype
-from bigbatch.engine.optimizer import build_optimizer
+from bigbatch.engine.optimizer import build_optimizer, weight_decays
 from bigbatch.engine.recompute import apply_recompute
 from bigbatch.engine.run import Run
 from bigbatch.errors import ConfigError
@@ -128,14 +130,34 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
                    param_dtype=torch.bfloat16 if autocast_dtype == torch.bfloat16 else None,
                    units=pipeline.fsdp_units() if pipeline is not None else None,
                    root=one_root)
+    inner, opt_strategy = None, strategy
+    if world.is_distributed and not deg.uses_mesh:
+        from bigbatch.parallel.compression import DGC_OPTIMIZER, DGCState, reduce_hook
+
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        decay = weight_decays(model, strategy)
+        inner = reduce_hook(strategy, trainable, weight_decays=[decay[id(p)] for p in trainable])
+        if inner is not None and isinstance(inner[1], DGCState):  # the hook owns momentum
+            if optimizer is not None:
+                raise ConfigError(
+                    "data_parallel.reduce = \"dgc\" applies momentum and weight decay inside "
+                    "its reduction and so builds its own optimizer; drop prepare(optimizer=...)")
+            opt_strategy = dataclasses.replace(
+                strategy, optimizer=dataclasses.replace(strategy.optimizer, **DGC_OPTIMIZER))
     if optimizer is None:
-        optimizer = build_optimizer(model, strategy, lr=schedule.lr(0), zero=deg.stage == 1)
+        optimizer = build_optimizer(model, opt_strategy, lr=schedule.lr(0), zero=deg.stage == 1)
     if pipeline is not None:
         check_pipeline_plan(strategy, plan.k_steps)
         pipeline.start(world.device, plan.k_steps, optimizer)
+    local = None
+    if world.is_distributed and (section := local_sgd_section(strategy)) is not None:
+        from bigbatch.parallel.local_sgd import LocalSGD
+
+        local = LocalSGD([p for p in model.parameters() if p.requires_grad], optimizer, section)
+        inner = local.hook
     wrapped, comm = model, None
     if world.is_distributed and not deg.uses_mesh:
-        wrapped, comm = wrap_data_parallel(model, world.device, dp, bool(local_grad_norm))
+        wrapped, comm = wrap_data_parallel(model, world.device, dp, bool(local_grad_norm), inner)
     scaler = None
     if autocast_dtype == torch.float16:
         scaler = LossScaler.from_config(amp, world.device.type, sharded=deg.uses_mesh)
@@ -146,6 +168,11 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
               measure_first=bool(local_grad_norm) and not world.is_distributed,
               unit_batch_size=_adaptive.unit_of(strategy, plan), mesh=mesh,
               loss_parallel=loss_parallel, pipeline=pipeline)
+    if comm is not None and hasattr(comm.inner_state, "grad_factor"):
+        comm.inner_state.grad_factor = run.grad_factor
+    if local is not None:
+        run.local_sgd = run.state_objects["local_sgd"] = local
+        run.step_hooks.append(lambda r: local.after_step(r.step, r.last_lr))
     if needs_gns:
         _adaptive.attach(run)
     if strategy.kfac.enable:

@@ -46,6 +46,7 @@ class RunLike(Protocol):
     step_hooks: list[Callable[[Any], None]]
     state_objects: dict[str, Any]
     adaptive: Any
+    local_sgd: Any
     batch_size_changes: list[dict[str, Any]]
     last_step_seconds: float
     sync_timing: bool
@@ -56,6 +57,7 @@ class RunLike(Protocol):
     def set_batch(self, micro_batch_size: int, k_steps: int) -> None: ...
     def stats(self) -> dict[str, float]: ...
     def skip_step(self) -> None: ...
+    def synchronize(self) -> None: ...
 
     # The merge window and the step's internals.
     _ddp: nn.Module | None

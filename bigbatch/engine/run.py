@@ -91,6 +91,9 @@ class Run:
         `stats()` method add to `run.stats`."""
         self.adaptive: Any = None
         """The `[adaptive]` controller (`bigbatch.engine.adaptive.Adaptive`), None when off."""
+        self.local_sgd: Any = None
+        """`bigbatch.parallel.local_sgd.LocalSGD` of `[localsgd]`/`[adaptive_localsgd]` runs on
+        several workers, else None."""
         self.batch_size_changes: list[dict[str, Any]] = []
         """Goodput decisions that changed the batch: step, old, new, micro, k, reason."""
         self.last_step_seconds = 0.0
@@ -241,6 +244,22 @@ class Run:
         if self.adaptive is not None:
             self.adaptive.on_batch_change()
 
+    def apply_gradients(self, grads: list[torch.Tensor | None]) -> None:
+        """One optimizer step on gradients computed elsewhere (a parameter server's combined
+        gradient), one per trainable parameter, already in the optimizer's units: the step
+        that ends a merge window (schedule LR, statistics, step hooks), without backward."""
+        if self.micro:
+            raise RuntimeError("run.apply_gradients() inside a merge window")
+        for p, g in zip(self._params, grads, strict=True):
+            p.grad = g
+        self._finish_step(time.perf_counter())
+
+    def synchronize(self) -> None:
+        """Local SGD: average the workers' weights and optimizer state now (before evaluating
+        or saving; `state_dict()` does it itself). Every worker calls it; else a no-op."""
+        if self.local_sgd is not None:
+            self.local_sgd.synchronize()
+
     def skip_step(self) -> None:
         """Drop the merge window's gradients: no optimizer step, the schedule stays.
 
@@ -266,23 +285,13 @@ class Run:
 
         `t0`: when the last micro-step's block was entered (step timing).
         """
-        W = self.mesh.data_degree
         local_count = self._count
         total_count = local_count
         if self._mode == "count":
-            if self._count_work is not None:
-                self._count_work.wait()
-            if self._count_tensor is not None:
-                total_count = self._count_tensor
-            if not isinstance(total_count, torch.Tensor) and total_count <= 0:
-                raise ValueError("ms.backward(count=...): the total count over the optimizer step is 0")
-            # A tensor factor keeps this free of host syncs (a zero total gives inf/nan grads).
-            factor = W / (self._count_mult * total_count)
-            if not self.avg:
-                factor *= self.k_steps
+            total_count = self._total_count()
             grads = [local(p.grad) for p in self._params if p.grad is not None]
             if grads:
-                torch._foreach_mul_(grads, factor)
+                torch._foreach_mul_(grads, self.grad_factor())
         found_inf = self.scaler.unscale_(self.optimizer) if self.scaler is not None else False
         local_raw = self._comm.take_local_sq() if self._comm is not None else None
         if not found_inf:
@@ -318,6 +327,26 @@ class Run:
         if grads:
             limit = torch.as_tensor(self.max_grad_norm, dtype=norm.dtype, device=norm.device)
             torch._foreach_mul_(grads, (limit / torch.maximum(norm, limit)).to(grads[0].dtype))
+
+    def _total_count(self) -> float | torch.Tensor:
+        """The step's item count over all workers (waits for its all-reduce)."""
+        if self._count_work is not None:
+            self._count_work.wait()
+            self._count_work = None
+        total = self._count_tensor if self._count_tensor is not None else self._count
+        if not isinstance(total, torch.Tensor) and total <= 0:
+            raise ValueError("ms.backward(count=...): the total count over the optimizer step is 0")
+        return total
+
+    def grad_factor(self) -> float | torch.Tensor:
+        """What the step multiplies the reduced gradients by: with `count=` losses the count
+        normalisation (1 for mean losses). A stateful reduce (DGC) reads it during the last
+        backward to accumulate in the optimizer's units."""
+        if self._mode != "count":
+            return 1.0
+        # A tensor factor keeps this free of host syncs (a zero total gives inf/nan grads).
+        factor = self.mesh.data_degree / (self._count_mult * self._total_count())
+        return factor if self.avg else factor * self.k_steps
 
     def _run_hooks(self, local_raw: torch.Tensor | None, local_count: float,
                    total_count: float) -> GradInfo:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from bigbatch.config.elastic import BatchState, configured_sizes, resume_plan
 from bigbatch.errors import ConfigError
+from bigbatch.parallel.world import gather
 
 if TYPE_CHECKING:
     from bigbatch.engine.protocol import RunLike
@@ -30,7 +31,10 @@ def stats(run: RunLike) -> dict[str, float]:
         out["trust_ratio_min"] = float(r.min())
         out["trust_ratio_median"] = float(r.median())
         out["trust_ratio_max"] = float(r.max())
-    for obj in run.state_objects.values():
+    helpers = list(run.state_objects.values())
+    if run._comm is not None:
+        helpers.append(run._comm.inner_state)
+    for obj in helpers:
         stats_of = getattr(obj, "stats", None)
         if callable(stats_of):
             out.update(stats_of())
@@ -58,6 +62,7 @@ def optimizer_state(run: RunLike) -> dict[str, Any] | None:
 
 def state_dict(run: RunLike) -> dict[str, Any]:
     """`Run.state_dict()`."""
+    run.synchronize()  # local SGD: what is saved is what every worker holds
     state: dict[str, Any] = {
         "optimizer": optimizer_state(run),
         "scaler": run.scaler.state_dict() if run.scaler is not None else None,
@@ -74,6 +79,9 @@ def state_dict(run: RunLike) -> dict[str, Any]:
         ).to_dict(),
         "extra": {name: obj.state_dict() for name, obj in run.state_objects.items()},
     }
+    if run._comm is not None and (comm := run._comm.state_dict()) is not None:
+        # Per-worker memory (error feedback, residuals): every rank's, by rank.
+        state["comm"] = gather(comm, run.world)
     if run.micro:
         state["window"] = {
             "mode": run._mode,
@@ -115,6 +123,9 @@ def load_state_dict(run: RunLike, state: dict[str, Any]) -> None:
         run.set_batch(plan.micro_batch_size, plan.k_steps)
     elif saved is not None and (run.adaptive is None or run.adaptive.adascale is None):
         run.progress_rate = plan.global_batch_size / run.unit_batch_size
+    comm = state.get("comm")
+    if comm is not None and run._comm is not None and len(comm) == run.world.world_size:
+        run._comm.load_state_dict(comm[run.world.rank])  # another world size starts afresh
     window = state.get("window")
     if window is not None:
         run.micro = int(state["micro"])

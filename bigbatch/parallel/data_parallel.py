@@ -38,6 +38,24 @@ class CommState:
         value, self.local_sq = self.local_sq, None
         return value
 
+    def state_dict(self) -> dict[str, Any] | None:
+        """This worker's memory of the inner hook (error feedback, local SGD's counters), or
+        None when it keeps none."""
+        inner = self.inner_state
+        if hasattr(inner, "state_dict"):
+            return {"inner": inner.state_dict()}
+        from bigbatch.parallel.compression import hook_state_dict
+
+        return hook_state_dict(inner)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "inner" in state:
+            self.inner_state.load_state_dict(state["inner"])
+        else:
+            from bigbatch.parallel.compression import load_hook_state
+
+            load_hook_state(self.inner_state, state)
+
 
 def _engine_comm_hook(state, bucket):  # DDP inspects annotations; postponed ones fail its check
     state.calls += 1
@@ -64,19 +82,24 @@ def _adasum_hook() -> tuple[Callable, Any]:
 
 def check_reduce(reduce: str) -> None:
     """Validate `data_parallel.reduce` early, before any process group exists."""
-    if reduce not in ("mean", "adasum"):
-        raise ConfigError(f"data_parallel.reduce={reduce!r}: expected one of mean, adasum")
+    from bigbatch.config.sections import REDUCES
+
+    if reduce not in REDUCES:
+        raise ConfigError(f"data_parallel.reduce={reduce!r}: expected one of {', '.join(REDUCES)}")
     if reduce == "adasum":
         _adasum_hook()
 
 
 def wrap_data_parallel(
-    model: nn.Module, device: torch.device, dp: Any, measure_local: bool
+    model: nn.Module, device: torch.device, dp: Any, measure_local: bool,
+    inner: tuple[Callable, Any] | None = None,
 ) -> tuple[nn.Module, CommState | None]:
     """DistributedDataParallel around `model`, plus our comm hook when one is needed.
 
-    Without Adasum or local-norm measurement DDP keeps its built-in C++
-    all-reduce, the fastest path; otherwise one Python hook wraps the inner one.
+    `inner`: the (hook, state) that combines gradients instead of the mean (a compressed
+    reduce, local SGD's); Adasum comes from `dp.reduce`. Without either, or local-norm
+    measurement, DDP keeps its built-in C++ all-reduce, the fastest path; otherwise one
+    Python hook wraps the inner one.
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -86,9 +109,11 @@ def wrap_data_parallel(
         bucket_cap_mb=float(dp.bucket_cap_mb),
     )
     reduce = getattr(dp, "reduce", "mean")
-    if reduce == "mean" and not measure_local:
+    if inner is None and reduce == "mean" and not measure_local:
         return ddp, None
-    if reduce == "adasum":
+    if inner is not None:
+        inner, inner_state = inner
+    elif reduce == "adasum":
         inner, inner_state = _adasum_hook()
     else:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook

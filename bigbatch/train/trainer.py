@@ -121,6 +121,13 @@ def plan_run(config: TrainConfig, strategy: Strategy, task: Task, world_size: in
 def train(config: TrainConfig, strategy: Strategy, world: World | None = None) -> dict[str, Any]:
     """Train `config.task` under `strategy` in this worker; returns the summary (all ranks)."""
     world = world if world is not None else World.from_env()
+    if strategy.parameter_server.enable:  # server and worker ranks instead of DDP
+        from types import SimpleNamespace
+
+        from bigbatch.train.ps_job import train_parameter_server
+
+        parts = SimpleNamespace(RUN_FILE=RUN_FILE, load_task=load_task, plan_run=plan_run)
+        return train_parameter_server(config, strategy, world, parts)
     owns_group = world.is_distributed and not dist.is_initialized()
     init_distributed(strategy.data_parallel, world)
     trainer = None
@@ -363,6 +370,7 @@ class _Trainer:
         """Test metrics of rank 0's model; each worker evaluates a shard, sums are all-reduced."""
         t0 = time.perf_counter()
         run = self.run
+        run.synchronize()  # local SGD: evaluate the workers' average
         sync_buffers(run.module, self.world, run.mesh.dp_group)
         batches = data.shard_batches(self.task.test_set, run.mesh.data_rank,
                                      run.mesh.data_degree, self.config.eval_batch_size)

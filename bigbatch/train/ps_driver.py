@@ -1,0 +1,200 @@
+"""Server 0's main thread in parameter-server mode: between steps it logs, evaluates
+and checkpoints, then releases the step's replies (see `bigbatch.train.ps_job`)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import queue
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bigbatch.train import data
+from bigbatch.train.checkpoint import atomic_save, save_checkpoint, write_text_atomic
+from bigbatch.train.progress import MetricsWriter, ProgressBar, closing_line, reference
+
+__all__ = ["Driver"]
+
+
+class Driver:
+    """Logs, evaluation and checkpoints of a parameter-server run, on server 0."""
+
+    def __init__(self, job: Any, run: Any, server: Any) -> None:
+        self.t_start = time.perf_counter()
+        self.job, self.run, self.server = job, run, server
+        cfg, plan = job.config, job.plan
+        self.sync = job.cfg.mode == "sync"
+        per = 1 if self.sync else job.workers  # server steps per global batch
+        self.batch = plan.global_batch_size // per
+        self.steps_per_epoch = job.spe * per
+        self.ckpt_every = (cfg.checkpoint_every * per if cfg.checkpoint_every
+                           else self.steps_per_epoch)
+        self.log_every = (cfg.log_every or max(1, min(50, job.spe // 10))) * per
+        self.eval_every = cfg.eval_every * per if cfg.eval_every else None
+        saved = job.ckpt or {}
+        self.samples = int(saved.get("samples", 0))
+        self.elapsed_before = float(saved.get("wall_time_s", 0.0))
+        self.worker_states: dict[int, Any] = dict((job.saved or {}).get("worker_states", {}))
+        self.eval_model = copy.deepcopy(job.model)
+        self._loss = [0.0, 0.0]
+        self._stale: list[int] = []
+        self._rates: list[float] = []
+        self._t_log, self._samples_log = time.perf_counter(), self.samples
+        server.is_done = lambda: run.done
+        out = Path(cfg.out)
+        job.files.begin(overwrite=cfg.overwrite and not cfg.resume)
+        write_recorded(job.files, out / "strategy.toml", job.strategy.to_toml())
+        write_recorded(job.files, out / job.run_file, json.dumps(cfg.to_dict(), indent=2) + "\n")
+        self.writer = MetricsWriter(out, tensorboard=cfg.tensorboard, files=job.files,
+                                    resume_step=run.step if job.ckpt is not None else None)
+        self.bar = ProgressBar(run.total_steps, int(run.progress), enabled=True, bar=cfg.progress)
+        if job.ckpt is not None:
+            self.bar.print(f"resuming {out} from step {run.step} ({job.cfg.mode} parameter "
+                           f"server, {job.servers} server(s), {job.workers} worker(s))")
+        else:
+            self.bar.print(job.strategy.overview(job.world.world_size,
+                                                 steps_per_epoch=job.spe,
+                                                 total_steps=job.total_steps))
+
+    def wall_time(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self.t_start
+
+    def samples_per_s(self) -> float | None:
+        return float(statistics.median(self._rates)) if self._rates else None
+
+    def loop(self) -> dict[str, Any]:
+        run, server = self.run, self.server
+        while True:
+            try:
+                version, pushes, release = server.events.get(timeout=self.job.timeout)
+            except queue.Empty:
+                raise TimeoutError(f"parameter server: no gradient arrived within "
+                                   f"data_parallel.timeout_s={self.job.timeout:g} (timed out)"
+                                   ) from None
+            self._take(version, pushes)
+            with server.lock:  # no step is applied once done, so no event can follow
+                last = run.done and server.events.empty()
+            if version % self.log_every == 0 or last:
+                self._log(version)
+            if last:
+                server.finish()  # the replies now say stop
+                release()
+                break
+            if not run.done:
+                if self.eval_every and version % self.eval_every == 0:
+                    self.evaluate(version)
+                if version % self.steps_per_epoch == 0:
+                    self.evaluate(version)
+                    self.checkpoint()
+                elif version % self.ckpt_every == 0:
+                    self.checkpoint()
+            release()
+        metrics = self.evaluate(run.step)  # the last step's events skip the per-epoch one
+        self.checkpoint()
+        with server.lock:
+            weights = {k: v.clone() for k, v in self.job.full_model(server, run.step
+                                                                    if self.sync else 0).items()}
+        summary = summary_of(self.job, run, server, self, metrics)
+        self.bar.close()
+        write_outputs(self.job, summary, weights, self.writer, self.bar)
+        return summary
+
+    def _take(self, version: int, pushes: list[Any]) -> None:
+        for p in pushes:
+            self._loss[0] += p.loss
+            self._loss[1] += p.count
+            if p.extra is not None:
+                self.worker_states[p.worker] = {"sampler": p.extra["sampler"],
+                                                "rng": p.extra["rng"]}
+                if "buffers" in p.extra:  # worker 0's BatchNorm statistics, as DDP keeps them
+                    buffers = dict(self.job.model.named_buffers())
+                    with torch.no_grad():
+                        for k, v in p.extra["buffers"].items():
+                            buffers[k].copy_(v)
+            if not self.sync:
+                self._stale.append(version - 1 - p.version)
+        self.samples += self.batch
+
+    def _log(self, step: int) -> None:
+        now = time.perf_counter()
+        rate = (self.samples - self._samples_log) / max(now - self._t_log, 1e-9)
+        self._rates.append(rate)
+        self._t_log, self._samples_log = now, self.samples
+        loss = self._loss[0] / max(self._loss[1], 1.0)
+        self._loss = [0.0, 0.0]
+        stats = self.run.stats
+        record = {"kind": "train", "step": step, "epoch": self.epoch, "loss": loss,
+                  "samples_per_s": rate, "global_batch_size": self.job.plan.global_batch_size,
+                  **{k: v for k, v in stats.items() if k != "step"}}
+        if not self.sync:
+            record.update(staleness_mean=statistics.mean(self._stale) if self._stale else 0.0,
+                          staleness_max=max(self._stale, default=0),
+                          dropped=self.server.dropped)
+            self._stale = []
+        self.writer.write(record)
+        self.bar.update(min(self.run.progress, self.run.total_steps), epoch=self.epoch,
+                        loss=loss, lr=stats["lr"], samples_per_s=rate)
+
+    @property
+    def epoch(self) -> float:
+        return self.samples / (self.job.spe * self.job.plan.global_batch_size)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        with self.server.lock:
+            weights = self.job.full_model(self.server, step if self.sync else 0)
+            self.eval_model.load_state_dict(weights)
+        job = self.job
+        batches = data.shard_batches(job.task.test_set, 0, 1, job.config.eval_batch_size)
+        metrics = job.task.evaluate(self.eval_model, batches)
+        self.writer.write({"kind": "eval", "step": step, "epoch": self.epoch, **metrics})
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+        self.bar.print(f"epoch {self.epoch:.2f} step {step}: test {shown}")
+        return metrics
+
+    def checkpoint(self) -> None:
+        payload = self.job.checkpoint_payload(self.run, self.server, self)
+        save_checkpoint(Path(self.job.config.out), payload["step"], payload,
+                        keep=self.job.config.keep_checkpoints, files=self.job.files)
+
+
+def write_recorded(files: Any, path: Path, text: str) -> None:
+    """An output file, recorded in the run's file list first, written atomically."""
+    files.add(path)
+    write_text_atomic(path, text)
+
+
+def write_outputs(job: Any, summary: dict[str, Any], weights: dict[str, torch.Tensor],
+                  writer: MetricsWriter, bar: ProgressBar) -> None:
+    out = Path(job.config.out)
+    job.files.add(out / "final.pt")
+    atomic_save(weights, out / "final.pt")
+    write_recorded(job.files, out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    writer.close()
+    bar.print(closing_line(summary))
+
+
+def summary_of(job: Any, run: Any, server: Any, driver: Any,
+               metrics: dict[str, float]) -> dict[str, Any]:
+    plan, task = job.plan, job.task
+    hist = dict(sorted(server.staleness.items()))
+    epochs = driver.samples / (job.spe * plan.global_batch_size)
+    return {
+        "task": task.name, "model": task.check_model(job.config.model),
+        **{f"test_{k}": v for k, v in metrics.items()}, "metric": task.metric,
+        "steps": run.step, "epochs": epochs, "samples": driver.samples,
+        "global_batch_size": plan.global_batch_size, "micro_batch_size": plan.micro_batch_size,
+        "k_steps": plan.k_steps, "world_size": job.world.world_size,
+        "optimizer": job.strategy.optimizer_name(), "peak_lr": run.plan.peak_lr,
+        "seed": job.config.seed, "wall_time_s": driver.wall_time(),
+        "samples_per_s": driver.samples_per_s(),
+        "parameter_server": {"mode": job.cfg.mode, "servers": job.servers,
+                             "workers": job.workers, "staleness_histogram": hist,
+                             "dropped": server.dropped},
+        "reference": (reference(task.recipe(job.config.model), epochs, task.metric)
+                      if task.default_options else None),
+        "strategy": job.strategy.to_dict(),
+    }

@@ -1,0 +1,261 @@
+"""The main job in parameter-server mode (`[parameter_server]`): ranks 0..S-1 serve, the
+other W ranks compute (`bigbatch.parallel.parameter_server` has the protocol).
+
+`bigbatch train --nproc 3 --set parameter_server.servers=1` runs 1 server and 2 workers;
+the batch is split over the W workers (`global = micro x k_steps x W`). Each server runs
+the engine's step (the strategy's optimizer, LR schedule and trust ratios) on the tensors
+it owns. Server 0 owns the outputs: between steps it logs, evaluates the whole model
+(the other servers' tensors fetched, worker 0's BatchNorm buffers, as DDP keeps rank
+0's) and writes checkpoints that hold every server's state and every worker's data
+position and RNG; `--resume` continues from them. In sync mode a resumed run equals an
+uninterrupted one; in async mode which gradients land when is timing, so is its resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+
+from bigbatch.config.elastic import BatchState, configured_sizes
+from bigbatch.config.sections import ParameterServerConfig
+from bigbatch.engine import prepare
+from bigbatch.errors import ConfigError
+from bigbatch.parallel import parameter_server as ps
+from bigbatch.parallel.world import World, barrier, init_distributed, teardown
+from bigbatch.train import data
+from bigbatch.train.checkpoint import (
+    CHECKPOINT_FORMAT,
+    load_training_checkpoint,
+    rng_state,
+    set_rng_state,
+)
+from bigbatch.train.outdir import prepare_out
+from bigbatch.train.ps_driver import Driver
+
+__all__ = ["check_resume", "train_parameter_server"]
+
+
+def check_resume(ckpt: dict, strategy: Any, world_size: int, name: str) -> None:
+    """A checkpoint resumes in parameter-server mode only from one, on as many servers and
+    workers (each server's optimizer state is its shard's)."""
+    saved = ckpt.get("parameter_server")
+    on = strategy.parameter_server.enable
+    if on != (saved is not None):
+        was = "in" if saved is not None else "without"
+        raise ConfigError(f"--resume: checkpoint {name} was written {was} parameter-server mode; "
+                          f"resume it {was} [parameter_server]")
+    if on:
+        s = strategy.parameter_server.servers
+        if (saved["servers"], saved["workers"]) != (s, world_size - s):
+            raise ConfigError(
+                f"--resume: checkpoint {name} has {saved['servers']} server(s) and "
+                f"{saved['workers']} worker(s); this run has {s} and {world_size - s} "
+                f"(use --nproc {saved['servers'] + saved['workers']} and "
+                f"parameter_server.servers={saved['servers']})")
+
+
+def train_parameter_server(config: Any, strategy: Any, world: World, trainer: Any,
+                           *, slow_worker: tuple[int, float] | None = None) -> dict[str, Any]:
+    """Run this rank's part; returns the summary on server 0, a short record elsewhere.
+
+    `trainer`: what the main job (`bigbatch.train.trainer`) shares, by attribute:
+    `RUN_FILE`, `load_task` and `plan_run`. The output directory follows the main job's
+    rules (`bigbatch.train.outdir`): server 0 holds its lock and records what it writes. `slow_worker` (index, seconds): that worker
+    sleeps after each push (benchmarks).
+    """
+    load_task, plan_run = trainer.load_task, trainer.plan_run
+    owns_group = world.is_distributed and not dist.is_initialized()
+    init_distributed(strategy.data_parallel, world)
+    rpc_on = False
+    held = contextlib.ExitStack()  # the output directory's lock (rank 0)
+    try:
+        resume_from, files = prepare_out(config, world, held)
+        task = load_task(config, world)
+        ckpt = load_training_checkpoint(resume_from) if resume_from is not None else None
+        if ckpt is not None:
+            check_resume(ckpt, strategy, world.world_size, resume_from.name)
+        saved = ckpt["engine"]["batch"] if ckpt is not None else None
+        plan, sampler, total_steps, spe = plan_run(config, strategy, task, world.world_size,
+                                                   world.rank, saved)
+        data.seed_everything(config.seed)
+        model = task.build_model(task.check_model(config.model))
+        if ckpt is not None:
+            model.load_state_dict(ckpt["model"])
+        cfg = strategy.parameter_server
+        timeout = strategy.data_parallel.timeout_s
+        ps.start_rpc(world.rank, world.world_size, cfg.servers, timeout)
+        rpc_on = True
+        job = _Job(config, strategy, task, model, plan, total_steps, spe, ckpt, world)
+        job.run_file, job.files = trainer.RUN_FILE, files
+        if world.rank < cfg.servers:
+            return job.serve(resume_from)
+        return job.work(sampler, slow_worker)
+    finally:
+        if rpc_on:
+            rpc.shutdown()  # graceful: waits for every rank, serving calls meanwhile
+        if owns_group:
+            teardown()
+        held.close()
+
+
+class _Job:
+    def __init__(self, config, strategy, task, model, plan, total_steps, spe, ckpt, world):
+        self.config, self.strategy, self.task, self.model = config, strategy, task, model
+        self.plan, self.total_steps, self.spe, self.ckpt, self.world = (plan, total_steps, spe,
+                                                                       ckpt, world)
+        self.cfg = strategy.parameter_server
+        self.servers, self.workers = self.cfg.servers, world.world_size - self.cfg.servers
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.owner = ps.assign_shards([p.numel() for p in self.params], self.servers)
+        self.saved = ckpt["parameter_server"] if ckpt is not None else None
+        self.timeout = strategy.data_parallel.timeout_s
+
+    # ------------------------------------------------------------------ worker
+
+    def work(self, sampler, slow_worker) -> dict[str, Any]:
+        w = self.world.rank - self.servers
+        state = (self.saved or {}).get("worker_states", {}).get(w)
+        if state is not None:
+            sampler.load_state_dict(state["sampler"])
+            set_rng_state(state["rng"])
+        else:
+            data.seed_everything(self.config.seed * 1000 + w + 1)
+        client = ps.Worker(w, self.params, self.owner, self.servers, self.timeout)
+        barrier(self.world)  # the servers serve
+        client.pull()
+        autocast = self.strategy.amp.enable
+        mult = 1.0 / self.plan.micro_batch_size
+        steps, stop = 0, False
+        while not stop:
+            for micro_batches in sampler:
+                loss_sum, count = torch.zeros((), dtype=torch.float64), 0.0
+                for idx in micro_batches:
+                    batch = data.fetch(self.task.train_set, idx, torch.device("cpu"))
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                        loss, n = self.task.loss(self.model(batch[0]), batch)
+                    # the engine's ms.backward(loss, count=n): the sum times 1 / micro
+                    (loss * mult).backward()
+                    loss_sum += loss.detach().double()
+                    count += float(n)
+                extra = {"sampler": sampler.state_dict(), "rng": rng_state()}
+                if w == 0:
+                    extra["buffers"] = {k: v.detach().clone()
+                                        for k, v in self.model.named_buffers()}
+                grads = [p.grad for p in self.params]
+                stop, _ = client.push(grads, count, float(loss_sum), extra)
+                for p in self.params:
+                    p.grad = None
+                steps += 1
+                if slow_worker is not None and slow_worker[0] == w:
+                    time.sleep(slow_worker[1])
+                if stop:
+                    break
+            if not stop:
+                sampler.next_epoch()
+        return {"worker": w, "pushes": steps}
+
+    # ------------------------------------------------------------------ server
+
+    def _server_run(self, index: int) -> Any:
+        for p, owner in zip(self.params, self.owner, strict=True):
+            p.requires_grad_(owner == index)
+        plan, total, spe = self.plan, self.total_steps, self.spe
+        if self.cfg.mode == "async":  # each update is one worker's batch
+            plan = self.strategy.batch_plan(plan.micro_batch_size * plan.k_steps,
+                                            plan.micro_batch_size, plan.k_steps, 1)
+            total, spe = total * self.workers, spe * self.workers
+        alone = dataclasses.replace(self.strategy,
+                                    parameter_server=ParameterServerConfig(enable=False))
+        run = prepare(self.model, alone, total_steps=total, steps_per_epoch=spe, world=World(),
+                      track_stats=True, plan=plan)
+        if self.saved is not None:
+            run.load_state_dict(self.saved["server_states"][index])
+        return run
+
+    def _step_fn(self, run: Any) -> Any:
+        plan = run.plan
+        weight = self.workers if self.cfg.mode == "sync" else 1
+        count_mult = 1.0 / plan.micro_batch_size
+
+        def step(grads: list[torch.Tensor], pushes: list[ps.Push]) -> None:
+            total = torch.tensor(0.0, dtype=torch.float64)
+            for p in pushes:
+                total += p.count
+            # the engine's count normalisation, as `Run.grad_factor` computes it
+            factor = weight / (count_mult * total)
+            if not run.avg:
+                factor = factor * plan.k_steps
+            torch._foreach_mul_(grads, factor)
+            run.apply_gradients(grads)
+
+        return step
+
+    def serve(self, resume_from: Path | None) -> dict[str, Any]:
+        index = self.world.rank
+        run = self._server_run(index)
+        owned = [p for p, o in zip(self.params, self.owner, strict=True) if o == index]
+        server = ps.Server(index, owned, self.workers, self.cfg.mode, self.cfg.max_staleness,
+                           self._step_fn(run), state_fn=run.state_dict, gated=index == 0)
+        if self.saved is not None:
+            server.version = int(self.saved["versions"][index])
+            server.staleness.update({int(k): v for k, v in self.saved["staleness"][index].items()})
+            server.dropped = int(self.saved["dropped"][index])
+        ps.serve(server)
+        barrier(self.world)  # now the workers may pull
+        if index != 0:
+            return {"server": index}
+        return Driver(self, run, server).loop()
+
+    def full_model(self, server: ps.Server, min_version: int) -> dict[str, torch.Tensor]:
+        """Server 0's model with every server's tensors (and worker 0's buffers)."""
+        with torch.no_grad():
+            for s in range(1, self.servers):
+                values, _, _ = ps.fetch(s, min_version, timeout_s=self.timeout)
+                mine = [p for p, o in zip(self.params, self.owner, strict=True) if o == s]
+                for p, v in zip(mine, values, strict=True):
+                    p.copy_(v)
+        return self.model.state_dict()
+
+    def checkpoint_payload(self, run, server, driver) -> dict[str, Any]:
+        sync = self.cfg.mode == "sync"
+        version = server.version
+        states, versions, staleness, dropped = [], [], [], []
+        for s in range(self.servers):
+            if s == 0:
+                with server.lock:
+                    states.append(run.state_dict())
+                    versions.append(server.version)
+                    staleness.append(dict(server.staleness))
+                    dropped.append(server.dropped)
+            else:
+                _, state, v = ps.fetch(s, version if sync else 0, with_state=True,
+                                       timeout_s=self.timeout)
+                states.append(state)
+                versions.append(v)
+                staleness.append({})
+                dropped.append(0)
+        with server.lock:
+            model = {k: v.clone() for k, v in self.full_model(server, version if sync else 0).items()}
+        engine = dict(states[0])
+        p = self.plan
+        engine["batch"] = BatchState(p.global_batch_size, p.micro_batch_size, p.k_steps,
+                                     self.workers, run.unit_batch_size if sync else
+                                     p.global_batch_size, configured_sizes(self.strategy)).to_dict()
+        return {
+            "format": CHECKPOINT_FORMAT, "step": run.step, "model": model, "engine": engine,
+            "parameter_server": {
+                "mode": self.cfg.mode, "servers": self.servers, "workers": self.workers,
+                "server_states": states, "versions": versions, "staleness": staleness,
+                "dropped": dropped, "worker_states": dict(driver.worker_states),
+            },
+            "samples": driver.samples, "world_size": self.world.world_size,
+            "strategy": self.strategy.to_dict(), "config": self.config.to_dict(),
+            "wall_time_s": driver.wall_time(),
+        }
