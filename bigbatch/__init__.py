@@ -10,7 +10,7 @@ The subpackages are the layers, each importing only from those before it:
 ``engine`` -> ``train``, ``tasks``, ``study`` -> ``cli``.
 """
 
-from .adaptive import AdaScale, GradientNoiseScale, adascale, adasum, gns
+from .adaptive import AdaScale, GradientNoiseScale, Policy, adascale, adasum, gns
 from .config import BatchPlan, Schedule, Strategy, elastic, scale_lr, scaling, schedules
 from .engine import Run, prepare
 from .errors import ConfigError
@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LARS", "LAMB", "param_groups",
     "Strategy", "BatchPlan", "Schedule", "scale_lr",
-    "prepare", "Run",
+    "prepare", "Run", "Policy",
     "TrainConfig", "get_task",
     "GradientNoiseScale", "AdaScale",
     "ConfigError",

@@ -4,6 +4,10 @@ User mistakes (bad flags, a missing config file, an unknown task, a resume
 directory without a checkpoint) print one line on stderr and exit with status 2.
 Failures of a run that started (a non-finite loss under `--nan-policy`, a failed
 checkpoint save, a peer that did not answer in time) print one line and exit 1.
+A policy that ends the run on purpose (`[straggler] action = "stop"`: status 75)
+prints its line after a checkpoint and exits with its status; under torchrun the
+workers exit 0, so that torchrun does not restart them, and `bigbatch train --nproc N`
+returns the status from `OUT/stopped.json`.
 """
 
 from __future__ import annotations
@@ -11,9 +15,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from typing import NoReturn
 
 from bigbatch.cli.gns import GNS_DESCRIPTION, GNS_HELP
+from bigbatch.cli.monitor import MONITOR_DESCRIPTION, MONITOR_HELP, add_monitor_arguments
 from bigbatch.cli.study import STUDY_DESCRIPTION, STUDY_HELP
 from bigbatch.cli.train import (
     EXIT_USAGE,
@@ -24,7 +30,7 @@ from bigbatch.cli.train import (
     run_train_command,
     under_launcher,
 )
-from bigbatch.errors import ConfigError
+from bigbatch.errors import ConfigError, PolicyStop
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,6 +69,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     add_train_arguments(t)
     study = sub.add_parser("study", help=STUDY_HELP, description=STUDY_DESCRIPTION)
     gns = sub.add_parser("gns", help=GNS_HELP, description=GNS_DESCRIPTION)
+    add_monitor_arguments(sub.add_parser("monitor", help=MONITOR_HELP,
+                                         description=MONITOR_DESCRIPTION))
     if command == "study":
         from bigbatch.cli.study import add_study_arguments
 
@@ -94,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         from bigbatch.cli.study import run_study_command
 
         return run_study_command(args)
+    if args.command == "monitor":
+        from bigbatch.cli.monitor import run_monitor_command
+
+        return run_monitor_command(args)
     strategy = None
     try:
         if args.command == "gns":
@@ -101,7 +113,21 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_gns_command(args)
         config, strategy = resolve(args)
-        return run_train_command(args, argv, config, strategy)
+        started = time.time()
+        status = run_train_command(args, argv, config, strategy)
+        if not under_launcher():  # torchrun's status is 0 or 1; a policy's stop says more
+            from bigbatch.train.stopped import read_stopped
+
+            stopped = read_stopped(config.out, started)
+            if stopped is not None:
+                return stopped[1]
+        return status
+    except PolicyStop as e:
+        import os
+
+        if os.environ.get("RANK", "0") == "0":
+            print(f"bigbatch {args.command}: {e}", file=sys.stderr)
+        return 0 if under_launcher() and int(os.environ.get("WORLD_SIZE", "1")) > 1 else e.status
     except ConfigError as e:
         print(f"bigbatch {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE

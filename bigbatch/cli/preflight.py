@@ -73,6 +73,11 @@ def preflight(config, strategy, world_size: int | None):
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: exists and is not a directory")
     _check_option_types(config.task, config.task_options)
+    if strategy.adaptive.policies:  # a bad policy path: now, not in every worker
+        from bigbatch.engine.policies import load_policy
+
+        for spec in strategy.adaptive.policies:
+            load_policy(spec, strategy)
     path = ckpt = None
     if config.resume:  # before the data: a mismatch must not generate a data set first
         from bigbatch.train.checkpoint import latest_checkpoint, load_checkpoint

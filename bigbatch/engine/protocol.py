@@ -49,6 +49,9 @@ class RunLike(Protocol):
     batch_size_changes: list[dict[str, Any]]
     last_step_seconds: float
     sync_timing: bool
+    policies: Any
+    micro_batch_sizes: list[int] | None
+    timing: Any
 
     def micro_step(self) -> Any: ...
     def lr_at(self, progress: float) -> float: ...

@@ -17,6 +17,7 @@ from torch import nn
 from bigbatch.config.parallelism import check_pipeline_plan, degrees
 from bigbatch.config.schedules import warmup_start_lr
 from bigbatch.engine import adaptive as _adaptive
+from bigbatch.engine import policies as _policies
 from bigbatch.engine import state as _run_state
 from bigbatch.engine.amp import LossScaler, amp_dtype
 from bigbatch.engine.grad_info import GradInfo, small_batch_sq_norm, sq_norm
@@ -96,7 +97,16 @@ class Run:
         self.adaptive: Any = None
         """The `[adaptive]` controller (`bigbatch.engine.adaptive.Adaptive`), None when off."""
         self.batch_size_changes: list[dict[str, Any]] = []
-        """Goodput decisions that changed the batch: step, old, new, micro, k, reason."""
+        """Policy decisions that changed the batch: step, old, new, micro, k, reason."""
+        self.policies: Any = None
+        """`bigbatch.engine.policies.Policies`: the run's policies and the loop's hooks."""
+        self.micro_batch_sizes: list[int] | None = None
+        """Per data rank micro batches when they differ (straggler rebalancing), summing to
+        ``plan.micro_batch_size x data degree``; None: all ``plan.micro_batch_size``. The
+        loader must follow it; mean losses are weighted by samples, so the step stays the
+        big-batch step. `set_batch` resets it."""
+        self.timing: Any = None
+        """A step timer told when each backward ends (`bigbatch.engine.step_timing`), or None."""
         self.last_step_seconds = 0.0
         """Seconds inside the micro-step blocks of the latest optimizer step (no data loading)."""
         self.sync_timing = False
@@ -137,7 +147,10 @@ class Run:
     # between optimizer steps (adaptive batch size) takes effect at once.
     @property
     def _mean_mult(self) -> float:
-        return 1.0 / self.k_steps if self.avg else 1.0
+        mult = 1.0 / self.k_steps if self.avg else 1.0
+        if self.micro_batch_sizes is not None:  # the workers' mean, weighted by samples
+            mult *= self.micro_batch_sizes[self.mesh.data_rank] / self.plan.micro_batch_size
+        return mult
 
     @property
     def _count_mult(self) -> float:
@@ -224,6 +237,7 @@ class Run:
         self.plan = plan = self.strategy.batch_plan(micro_batch_size * k_steps * W,
                                                     micro_batch_size, k_steps, W)
         self.k_steps = plan.k_steps
+        self.micro_batch_sizes = None
         self.schedule = dataclasses.replace(
             self._base_schedule, peak_lr=plan.peak_lr,
             warmup_start_lr=warmup_start_lr(self.strategy.batch.base_lr, plan.peak_lr))
@@ -350,7 +364,8 @@ class Run:
 def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: int | None = None,
             world: World | None = None, *, track_stats: bool = False,
             local_grad_norm: bool | None = None, plan: Any = None,
-            tp_plan: Any = None, pipeline_layers: Any = None) -> Run:
+            tp_plan: Any = None, pipeline_layers: Any = None,
+            policies: list[Any] | None = None) -> Run:
     """Apply `strategy` to `model` and return the `Run` that drives the training loop.
 
     `total_steps` and `steps_per_epoch` count optimizer steps (one per global
@@ -372,10 +387,17 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
     stages (`pipeline_layers`: its chain of `bigbatch.parallel.pipeline.Layer`s, default
     `model.pipeline_layers()`); `run.module` is then this rank's stage, and
     `run.pipeline_step()` replaces the micro-steps.
+
+    `policies`: `bigbatch.Policy` objects, or names as in ``[adaptive] policies`` (added
+    to `run.strategy`), run after those of the strategy (`run.policies`).
     """
     from bigbatch.config.schedules import Schedule
 
     world = world if world is not None else World.from_env()
+    names = tuple(p for p in policies or () if isinstance(p, str))
+    if names:
+        strategy = dataclasses.replace(strategy, adaptive=dataclasses.replace(
+            strategy.adaptive, policies=strategy.adaptive.policies + names))
     deg = degrees(strategy, world.world_size)
     if plan is None:
         plan = strategy.resolve(deg.data)
@@ -453,4 +475,5 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
               loss_parallel=loss_parallel, pipeline=pipeline)
     if needs_gns:
         _adaptive.attach(run)
+    _policies.attach(run, [p for p in policies or () if not isinstance(p, str)])
     return run
