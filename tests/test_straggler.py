@@ -270,7 +270,9 @@ def _records(out, kind):
 
 
 @pytest.mark.usefixtures("train_env")
-def test_rebalance_in_the_main_job_keeps_the_batch_and_equals_the_even_run(tmp_path):
+def test_rebalance_in_the_main_job_keeps_the_batch_and_equals_the_even_run(tmp_path, capsys,
+                                                                          monkeypatch):
+    monkeypatch.setenv("COLUMNS", "160")
     from bigbatch.tasks import get_task
 
     get_task("mnist1d", num_samples=1000)  # the data cache, before the workers
@@ -291,6 +293,15 @@ def test_rebalance_in_the_main_job_keeps_the_batch_and_equals_the_even_run(tmp_p
     ea = [r["loss"] for r in _records(tmp_path / "even", "train")]
     eb = [r["loss"] for r in _records(tmp_path / "moved", "train")]
     assert eb == pytest.approx(ea, rel=1e-5)
+
+    # The monitor shows the per-rank times with the straggler marked, in text and figure.
+    from bigbatch.cli.main import main
+
+    assert main(["monitor", str(tmp_path / "moved"), "--once"]) == 0
+    text = capsys.readouterr().out
+    assert "STRAGGLER (flagged at step 4; now 0.98x)" in text and "[32, 32] -> [43, 21]" in text
+    assert main(["monitor", str(tmp_path / "moved"), "--png"]) == 0
+    assert (tmp_path / "moved" / "monitor.png").stat().st_size > 20_000
 
 
 @pytest.mark.usefixtures("train_env")

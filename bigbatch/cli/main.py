@@ -102,12 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         from bigbatch.cli.study import run_study_command
 
         return run_study_command(args)
-    if args.command == "monitor":
-        from bigbatch.cli.monitor import run_monitor_command
-
-        return run_monitor_command(args)
     strategy = None
     try:
+        if args.command == "monitor":
+            from bigbatch.cli.monitor import run_monitor_command
+
+            return run_monitor_command(args)
         if args.command == "gns":
             from bigbatch.cli.gns import run_gns_command
 
