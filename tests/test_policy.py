@@ -4,6 +4,10 @@ and the built-in noise_scale_doubling."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -19,7 +23,9 @@ from bigbatch.config.strategy import Strategy
 from bigbatch.engine.run import prepare
 from bigbatch.errors import ConfigError, PolicyError
 from bigbatch.train.trainer import TrainConfig, train
+from tests.user_policies import NotAPolicy
 
+ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"num_samples": 1000}  # 800 train samples: 12 steps of 64 per epoch
 STRATEGY = """
 [batch]
@@ -33,44 +39,8 @@ warmup_steps = 2
 k_steps = 2
 
 [adaptive]
-policies = ["tests.test_policy:DoubleAtEpoch2"]
+policies = ["tests.user_policies:DoubleAtEpoch2"]
 """
-
-
-class DoubleAtEpoch2(bigbatch.Policy):
-    """Doubles the global batch when epoch 2 begins; remembers every hook call."""
-
-    def __init__(self) -> None:
-        self.calls: list[list] = []
-
-    def before_train(self, run):
-        self.calls.append(["before_train", run.step])
-
-    def before_epoch(self, run, epoch):
-        self.calls.append(["before_epoch", epoch, run.step])
-        if epoch == 2:
-            run.set_batch(run.plan.micro_batch_size, 2 * run.k_steps)
-
-    def after_epoch(self, run, epoch):
-        self.calls.append(["after_epoch", epoch, run.step])
-
-    def after_train(self, run):
-        self.calls.append(["after_train", run.step])
-
-    def state_dict(self):
-        return {"calls": [list(c) for c in self.calls]}
-
-    def load_state_dict(self, state):
-        self.calls = [list(c) for c in state["calls"]]
-
-
-class Raises(bigbatch.Policy):
-    def after_epoch(self, run, epoch):
-        raise ValueError("no epochs for me")
-
-
-class NotAPolicy:
-    pass
 
 
 def _config(out, **kw):
@@ -103,7 +73,7 @@ def test_user_policy_doubles_the_batch_at_epoch_2_and_resume_keeps_its_state(tmp
     assert (change["step"], change["old"], change["new"], change["k_steps"]) == (12, 64, 128, 4)
     assert "DoubleAtEpoch2" in change["reason"] and summary["batch_size_changes"][0]["new"] == 128
     state = _policy_state(full)
-    calls = state["policies"]["tests.test_policy:DoubleAtEpoch2"]["calls"]
+    calls = state["policies"]["tests.user_policies:DoubleAtEpoch2"]["calls"]
     assert calls == [["before_train", 0], ["before_epoch", 1, 0], ["after_epoch", 1, 12],
                      ["before_epoch", 2, 12], ["after_epoch", 2, 18], ["before_epoch", 3, 18],
                      ["after_epoch", 3, 24], ["after_train", 24]]
@@ -137,8 +107,8 @@ def test_user_policy_doubles_the_batch_at_epoch_2_and_resume_keeps_its_state(tmp
 
 @pytest.mark.parametrize("spec,message", [
     ("nope_pkg.mod:X", "policy 'nope_pkg.mod:X': cannot import nope_pkg.mod"),
-    ("tests.test_policy:Missing", "module tests.test_policy has no Missing"),
-    ("tests.test_policy:NotAPolicy", "NotAPolicy is not a subclass of bigbatch.Policy"),
+    ("tests.user_policies:Missing", "module tests.user_policies has no Missing"),
+    ("tests.user_policies:NotAPolicy", "NotAPolicy is not a subclass of bigbatch.Policy"),
     ("not a path", "'not a path' is neither a built-in policy"),
 ])
 @pytest.mark.usefixtures("train_env")
@@ -160,9 +130,41 @@ def test_a_hook_that_raises_is_one_line_naming_the_policy(tmp_path, capsys):
                  "--config", str(tmp_path / "s.toml")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
-    assert err[-1] == ("bigbatch train: error: policy 'tests.test_policy:Raises': after_epoch(1) "
+    assert err[-1] == ("bigbatch train: error: policy 'tests.user_policies:Raises': after_epoch(1) "
                        "raised ValueError: no epochs for me")
     assert not any("Traceback" in line for line in err)
+
+
+@pytest.mark.usefixtures("train_env")
+def test_a_requested_stop_checkpoints_exits_with_its_status_and_resumes(tmp_path, capsys):
+    (tmp_path / "s.toml").write_text(STRATEGY.replace("DoubleAtEpoch2", "StopAt3"))
+    argv = ["train", "--nproc", "1", "--task-opt", "num_samples=1000", "--steps", "5",
+            "--model", "mlp", "--out", str(tmp_path / "o"), "--no-progress",
+            "--config", str(tmp_path / "s.toml")]
+    assert main(argv) == 75
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "bigbatch train: stop: asked by the test at step 3"
+    assert (tmp_path / "o" / "checkpoints" / "step-000000003.pt").is_file()
+    assert json.loads((tmp_path / "o" / "stopped.json").read_text())["status"] == 75
+    assert main([*argv, "--resume"]) == 0  # past step 3 the policy lets it finish
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["steps"] == 5
+
+
+@pytest.mark.slow  # ~25 s: torchrun and its two workers start from scratch
+@pytest.mark.usefixtures("train_env")
+def test_a_requested_stop_under_torchrun_gives_the_launcher_its_status(tmp_path):
+    (tmp_path / "s.toml").write_text(STRATEGY.replace("DoubleAtEpoch2", "StopAt3")
+                                     .replace("micro_batch_size = 32\n", ""))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "bigbatch", "train", "--nproc", "2",
+                        "--task-opt", "num_samples=1000", "--steps", "5", "--model", "mlp",
+                        "--out", str(tmp_path / "o"), "--no-progress", "--timeout", "60",
+                        "--config", str(tmp_path / "s.toml")], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=180)
+    # The workers exit 0, so torchrun does not restart them; stopped.json carries the 75.
+    assert p.returncode == 75, p.stderr[-3000:]
+    assert p.stderr.count("stop: asked by the test at step 3") == 1  # rank 0's line
+    assert (tmp_path / "o" / "checkpoints" / "step-000000003.pt").is_file()
 
 
 # ---------------------------------------------------------------- the engine alone
