@@ -6,14 +6,17 @@ Two gloo workers on 127.0.0.1 train MNIST-1D's 1-D CNN through the engine
 1. **Cost.** Three loops in rotating blocks in one process pair, so machine
    noise hits them alike: the straggler policy off, on (`warn`; step timing
    hooks on every parameter and every window one all-gather of four floats), and
-   a second off loop whose ratio to the first is the noise floor. Reported: the
-   median step time of each and the ratio on/off (target <= 1.01).
+   a second off loop whose ratio to the first is the noise floor. Reported per
+   step, median over blocks: the main thread's CPU time (where the hooks run;
+   insensitive to other jobs' load) and the wall time, each as on/off with its
+   noise floor off2/off (target: on/off <= 1.01).
 2. **Slowed worker.** The parent process stops rank 1 with SIGSTOP for half of
    every `--period` (a CPU at half speed), and each worker pair then runs
    `--steps` steps from a fresh start under ``action = "warn"`` and under
    ``action = "rebalance"``, alternating, `--repeats` times. Reported: the median
-   time to the step count for each, their ratio, and the micro batches per rank
-   that rebalancing ended with.
+   time to the step count for each, their ratio, the median step time over the
+   last half of each run (after rebalancing settled), and the micro batches per
+   rank that rebalancing ended with.
 
     .venv/bin/python benchmarks/straggler.py                     # both parts
     .venv/bin/python benchmarks/straggler.py --part cost --rounds 24
@@ -22,6 +25,7 @@ Two gloo workers on 127.0.0.1 train MNIST-1D's 1-D CNN through the engine
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import statistics
@@ -85,41 +89,49 @@ def _cost(rank: int, args) -> None:
     for loop in loops.values():
         for _ in range(args.warmup):
             loop.step()
-    times: dict[str, list[float]] = {name: [] for name in loops}
+    wall: dict[str, list[float]] = {name: [] for name in loops}
+    cpu: dict[str, list[float]] = {name: [] for name in loops}
     names = list(loops)
     for r in range(args.rounds):
         for name in names[r % 3:] + names[:r % 3]:  # rotate so no loop always goes first
             dist.barrier()
+            t0, c0 = time.perf_counter(), time.thread_time()
             for _ in range(args.block):
-                t0 = time.perf_counter()
                 loops[name].step()
-                times[name].append(time.perf_counter() - t0)
-    windows = len(loops["on"].run.policies.get("straggler").detector.last_ratios)
+            wall[name].append((time.perf_counter() - t0) / args.block)
+            cpu[name].append((time.thread_time() - c0) / args.block)
+    flags = loops["on"].run.policies.get("straggler").flags
     if rank == 0:
-        med = {name: statistics.median(t) for name, t in times.items()}
         print(f"straggler detection cost: {WORLD} gloo workers, MNIST-1D CNN, global batch "
               f"{args.batch}, {args.threads} thread(s) per worker, interval "
-              f"{args.interval} steps, blocks of {args.block}, torch {torch.__version__}")
-        print(f"{'off ms':>9} {'on ms':>9} {'on/off':>7} {'off2/off (noise)':>17} "
-              f"{'steps':>6} {'windows seen':>13}")
-        print(f"{med['off'] * 1e3:>9.2f} {med['on'] * 1e3:>9.2f} "
-              f"{med['on'] / med['off']:>7.3f} {med['off2'] / med['off']:>17.3f} "
-              f"{len(times['on']):>6} {windows:>13}")
+              f"{args.interval} steps, {args.rounds} blocks of {args.block} steps per loop, "
+              f"torch {torch.__version__}")
+        print(f"{'per step':>16} {'off ms':>9} {'on ms':>9} {'on/off':>7} {'off2/off (noise)':>17}")
+        for what, t in (("main-thread CPU", cpu), ("wall", wall)):
+            med = {name: statistics.median(v) for name, v in t.items()}
+            print(f"{what:>16} {med['off'] * 1e3:>9.2f} {med['on'] * 1e3:>9.2f} "
+                  f"{med['on'] / med['off']:>7.3f} {med['off2'] / med['off']:>17.3f}")
+        print(f"flags raised in the even run: {len(flags)}")
 
 
 def _slowed(rank: int, args) -> None:
     task = get_task("mnist1d")
     results: dict[str, list[float]] = {"warn": [], "rebalance": []}
+    late: dict[str, list[float]] = {"warn": [], "rebalance": []}
     shares = None
     for rep in range(args.repeats):
         for action in ("warn", "rebalance") if rep % 2 == 0 else ("rebalance", "warn"):
             loop = Loop(task, strategy(args.batch, action, args.interval), rank)
             dist.barrier()
             t0 = time.perf_counter()
+            stamps = []
             for _ in range(args.steps):
                 loop.step()
+                stamps.append(time.perf_counter())
             dist.barrier()
             results[action].append(time.perf_counter() - t0)
+            half = stamps[args.steps // 2:]
+            late[action].append((half[-1] - half[0]) / (len(half) - 1))
             if action == "rebalance":
                 shares = loop.run.micro_batch_sizes
             flags = loop.run.policies.get("straggler").flags
@@ -129,10 +141,14 @@ def _slowed(rank: int, args) -> None:
                       f"micro batches {loop.run.micro_batch_sizes}", flush=True)
     if rank == 0:
         w, r = statistics.median(results["warn"]), statistics.median(results["rebalance"])
+        lw, lr = statistics.median(late["warn"]), statistics.median(late["rebalance"])
         print(f"one worker slowed 2x (SIGSTOP half of every {args.period * 1e3:.0f} ms): "
-              f"{args.steps} steps at global batch {args.batch}, median of {args.repeats}")
-        print(f"{'warn s':>8} {'rebalance s':>12} {'warn/rebalance':>15}  final micro batches")
-        print(f"{w:>8.2f} {r:>12.2f} {w / r:>15.2f}  {shares}")
+              f"{args.steps} steps at global batch {args.batch}, interval {args.interval}, "
+              f"median of {args.repeats}")
+        print(f"{'':>24} {'warn':>8} {'rebalance':>10} {'warn/rebalance':>15}")
+        print(f"{'time to the last step s':>24} {w:>8.2f} {r:>10.2f} {w / r:>15.2f}")
+        print(f"{'last half ms/step':>24} {lw * 1e3:>8.1f} {lr * 1e3:>10.1f} {lw / lr:>15.2f}")
+        print(f"final micro batches per rank under rebalance: {shares}")
 
 
 def _spawn(fn, args, slow_rank: int | None = None) -> None:
@@ -158,10 +174,8 @@ def _spawn(fn, args, slow_rank: int | None = None) -> None:
     finally:
         stop.set()
         if slow_rank is not None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(ctx.processes[slow_rank].pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
 
 
 def main(argv=None) -> int:
@@ -173,7 +187,7 @@ def main(argv=None) -> int:
     p.add_argument("--block", type=int, default=10, help="cost: steps per block")
     p.add_argument("--warmup", type=int, default=3, help="cost: untimed steps per loop first")
     p.add_argument("--steps", type=int, default=150, help="slowed: steps per run")
-    p.add_argument("--repeats", type=int, default=2, help="slowed: runs per action")
+    p.add_argument("--repeats", type=int, default=4, help="slowed: runs per action")
     p.add_argument("--period", type=float, default=0.02,
                    help="slowed: seconds per SIGSTOP/SIGCONT cycle of rank 1")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per worker")

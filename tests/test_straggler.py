@@ -200,6 +200,7 @@ def test_rebalanced_shares_give_the_even_step():
             assert torch.equal(a, b)
 
 
+REBALANCE = {"interval_steps": 2, "patience": 2, "action": "rebalance"}
 SLOW = {1: 2e-4, 0: 1e-4}  # fake compute seconds per sample: rank 1 computes at half speed
 
 
@@ -216,11 +217,17 @@ def _fake_timing(run_box: list):
     return take
 
 
-def _train_pair(even: str, moved: str, straggler: dict) -> tuple[dict, dict]:
-    return (_train_worker(even, None, 12, 100), _train_worker(moved, straggler, 12, 100))
+def _train_runs(*runs: tuple) -> list:
+    """`_train_worker(*args)` for each run in turn, in one spawn."""
+    return [_train_worker(*args) for args in runs]
 
 
-def _train_worker(out: str, straggler: dict | None, steps: int, checkpoint_every: int):
+class _Crash(Exception):
+    pass
+
+
+def _train_worker(out: str, straggler: dict | None, steps: int, checkpoint_every: int,
+                  crash_at: int | None = None, resume: bool = False):
     import bigbatch.engine.run as engine_run
     from bigbatch.engine.step_timing import StepTiming
     from bigbatch.train.trainer import TrainConfig, train
@@ -234,6 +241,17 @@ def _train_worker(out: str, straggler: dict | None, steps: int, checkpoint_every
 
     engine_run.Run.__init__ = keep
     StepTiming.take = _fake_timing(box)
+    import bigbatch.train.trainer as T
+
+    rng_state, calls = T.rng_state, []
+
+    def crash():  # the `crash_at`-th checkpoint dies, on every worker
+        calls.append(1)
+        if len(calls) == crash_at:
+            raise _Crash
+        return rng_state()
+
+    T.rng_state = crash
     text = """
 [batch]
 global_batch_size = 128
@@ -252,15 +270,18 @@ k_steps = 2
                                                    for k, v in straggler.items()])
     config = TrainConfig(task="mnist1d", model="mlp", task_options={"num_samples": 1000},
                          steps=steps, out=out, checkpoint_every=checkpoint_every, log_every=1,
-                         progress=False, tensorboard=False)
+                         progress=False, tensorboard=False, resume=resume)
     from bigbatch.errors import PolicyStop
 
     try:
         summary = train(config, strategy)
     except PolicyStop as e:
         return {"stopped": (str(e), e.status), "step": box[0].step}
+    except _Crash:
+        return "crashed"
     finally:
         engine_run.Run.__init__ = original
+        T.rng_state = rng_state
     return {"summary": summary, "shares": box[0].micro_batch_sizes}
 
 
@@ -276,8 +297,9 @@ def test_rebalance_in_the_main_job_keeps_the_batch_and_equals_the_even_run(tmp_p
     from bigbatch.tasks import get_task
 
     get_task("mnist1d", num_samples=1000)  # the data cache, before the workers
-    (_, moved), _ = run_workers(_train_pair, 2, (str(tmp_path / "even"), str(tmp_path / "moved"), {
-        "interval_steps": 2, "patience": 2, "action": "rebalance"}), timeout=240, init_group=True)
+    (_, moved), _ = run_workers(_train_runs, 2, (
+        (str(tmp_path / "even"), None, 12, 100), (str(tmp_path / "moved"), REBALANCE, 12, 100)),
+        timeout=240, init_group=True)
     assert moved["shares"] == [43, 21]  # 2:1 speeds over 2 x 32 samples
     change, = _records(tmp_path / "moved", "rebalance")
     assert (change["step"], change["old"], change["new"]) == (4, [32, 32], [43, 21])
@@ -302,6 +324,26 @@ def test_rebalance_in_the_main_job_keeps_the_batch_and_equals_the_even_run(tmp_p
     assert "STRAGGLER (flagged at step 4; now 0.98x)" in text and "[32, 32] -> [43, 21]" in text
     assert main(["monitor", str(tmp_path / "moved"), "--png"]) == 0
     assert (tmp_path / "moved" / "monitor.png").stat().st_size > 20_000
+
+
+@pytest.mark.slow  # ~30 s on a loaded 2-core box: three trainings on two workers
+@pytest.mark.usefixtures("train_env")
+def test_a_rebalanced_run_resumes_exactly(tmp_path):
+    from bigbatch.tasks import get_task
+
+    get_task("mnist1d", num_samples=1000)
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    (_, crashed, resumed), _ = run_workers(_train_runs, 2, (
+        (str(full), REBALANCE, 12, 100),
+        (str(cut), REBALANCE, 12, 3, 3),            # killed at its third checkpoint, step 9
+        (str(cut), REBALANCE, 12, 3, None, True)),  # resumed from step 6
+        timeout=240, init_group=True)
+    assert crashed == "crashed"
+    assert resumed["shares"] == [43, 21]  # from the step-6 checkpoint, after the rebalance
+    a = torch.load(full / "final.pt", weights_only=True)
+    b = torch.load(cut / "final.pt", weights_only=True)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
 
 
 @pytest.mark.usefixtures("train_env")

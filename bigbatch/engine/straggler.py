@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -56,6 +57,7 @@ class Straggler(Policy):
         self.flags: list[dict[str, Any]] = []
         """Every flag so far: step, rank, host, ratio, action."""
         self.hosts: list[str] | None = None
+        self._recent: deque[list[float]] = deque(maxlen=self.detector.patience)
 
     @classmethod
     def from_strategy(cls, strategy: Any) -> Straggler:
@@ -92,10 +94,13 @@ class Straggler(Policy):
         policies = run.policies
         policies.record({"kind": "ranks", "step": run.step, "compute_s": compute,
                          "data_s": data, "sync_s": sync, "micro_batch_sizes": shares})
+        self._recent.append(compute)
         for r in self.detector.update(compute):
             self._flag(run, r, compute)
         if self.action == "rebalance" and self.detector.slow:
-            self._rebalance(run, shares, compute)
+            # Speeds from the windows that made the flag, not the last one alone: less noise.
+            mean = [sum(col) / len(col) for col in zip(*self._recent, strict=True)]
+            self._rebalance(run, shares, mean)
 
     def _flag(self, run: Any, rank: int, compute: list[float]) -> None:
         ratio = self.detector.last_ratios[rank]
@@ -121,6 +126,7 @@ class Straggler(Policy):
     def _rebalance(self, run: Any, shares: list[int], compute: list[float]) -> None:
         new = rebalance(shares, compute, self.max_micro_factor)
         self.detector.reset()
+        self._recent.clear()
         if new == shares:
             return
         even = all(x == new[0] for x in new)
