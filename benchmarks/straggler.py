@@ -3,14 +3,17 @@
 Two gloo workers on 127.0.0.1 train MNIST-1D's 1-D CNN through the engine
 (summed losses with counts, as `bigbatch train` does).
 
-1. **Cost.** Three loops in rotating blocks in one process pair, so machine
+1. **Cost, direct.** In one process: the timing hooks and bookkeeping alone, on
+   and off in alternating steps of two identical models (no waits, so the load
+   of other jobs hits both alike); the median per-pair difference.
+2. **Cost, in place.** Three loops in rotating blocks in one process pair, so machine
    noise hits them alike: the straggler policy off, on (`warn`; step timing
    hooks on every parameter and every window one all-gather of four floats), and
    a second off loop whose ratio to the first is the noise floor. Reported per
-   step, median over blocks: the main thread's CPU time (where the hooks run;
-   insensitive to other jobs' load) and the wall time, each as on/off with its
-   noise floor off2/off (target: on/off <= 1.01).
-2. **Slowed worker.** The parent process stops rank 1 with SIGSTOP for half of
+   step, median and minimum over blocks (the minimum: the least disturbed block
+   of each loop): the main thread's CPU time (where the hooks run) and the wall
+   time, each as on/off with its noise floor off2/off (target: on/off <= 1.01).
+3. **Slowed worker.** The parent process stops rank 1 with SIGSTOP for half of
    every `--period` (a CPU at half speed), and each worker pair then runs
    `--steps` steps from a fresh start under ``action = "warn"`` and under
    ``action = "rebalance"``, alternating, `--repeats` times. Reported: the median
@@ -86,6 +89,16 @@ def _cost(rank: int, args) -> None:
     loops = {"off": Loop(task, strategy(args.batch, None, args.interval), rank),
              "on": Loop(task, strategy(args.batch, "warn", args.interval), rank),
              "off2": Loop(task, strategy(args.batch, None, args.interval), rank)}
+    policy = loops["on"].run.policies.get("straggler")
+    windows: list[float] = []
+    gather = policy._window
+
+    def timed_window(run):
+        t0 = time.perf_counter()
+        gather(run)
+        windows.append(time.perf_counter() - t0)
+
+    policy._window = timed_window
     for loop in loops.values():
         for _ in range(args.warmup):
             loop.step()
@@ -106,11 +119,15 @@ def _cost(rank: int, args) -> None:
               f"{args.batch}, {args.threads} thread(s) per worker, interval "
               f"{args.interval} steps, {args.rounds} blocks of {args.block} steps per loop, "
               f"torch {torch.__version__}")
-        print(f"{'per step':>16} {'off ms':>9} {'on ms':>9} {'on/off':>7} {'off2/off (noise)':>17}")
+        print(f"{'per step':>22} {'off ms':>9} {'on ms':>9} {'on/off':>7} {'off2/off (noise)':>17}")
         for what, t in (("main-thread CPU", cpu), ("wall", wall)):
-            med = {name: statistics.median(v) for name, v in t.items()}
-            print(f"{what:>16} {med['off'] * 1e3:>9.2f} {med['on'] * 1e3:>9.2f} "
-                  f"{med['on'] / med['off']:>7.3f} {med['off2'] / med['off']:>17.3f}")
+            for stat, f in (("median", statistics.median), ("min", min)):
+                m = {name: f(v) for name, v in t.items()}
+                print(f"{what + ', ' + stat:>22} {m['off'] * 1e3:>9.2f} {m['on'] * 1e3:>9.2f} "
+                      f"{m['on'] / m['off']:>7.3f} {m['off2'] / m['off']:>17.3f}")
+        print(f"per window (every {args.interval} steps): gather and decision "
+              f"{statistics.median(windows) * 1e3:.2f} ms median (waiting for the other rank "
+              f"included), = {statistics.median(windows) / args.interval * 1e3:.3f} ms per step")
         print(f"flags raised in the even run: {len(flags)}")
 
 
@@ -151,6 +168,56 @@ def _slowed(rank: int, args) -> None:
         print(f"final micro batches per rank under rebalance: {shares}")
 
 
+def _direct(args) -> None:
+    """The per-step work detection adds, in one process and free of any wait: the timing
+    hooks (every parameter's post-accumulate-grad hook, two forward pre-hooks) and the
+    bookkeeping, on and off in alternating steps of two identical models."""
+    from types import SimpleNamespace
+
+    from bigbatch.engine.step_timing import StepTiming
+
+    torch.set_num_threads(args.threads)
+    task = get_task("mnist1d")
+    x, y = task.train_set.tensors
+    models, opts = [], []
+    for _ in range(2):
+        torch.manual_seed(0)
+        m = task.build_model()
+        models.append(m)
+        opts.append(torch.optim.SGD(m.parameters(), lr=0.01))
+    timing = StepTiming()
+    params = [p for p in models[1].parameters() if p.requires_grad]
+    timing.install(SimpleNamespace(_ddp=models[1], _params=params, module=models[1],
+                                   timing=None))
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, len(x), (args.batch // WORLD,), generator=g)
+
+    def step(i: int) -> float:
+        t0 = time.perf_counter()
+        loss, count = task.loss(models[i](x[rows]), (x[rows], y[rows]))
+        (loss / count).backward()
+        if i:
+            timing.backward_done(True)
+        opts[i].step()
+        opts[i].zero_grad(set_to_none=True)
+        if i:
+            timing.step_done(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    for _ in range(args.warmup):
+        step(0), step(1)
+    diffs, base = [], []
+    for r in range(args.pairs):
+        a, b = (step(0), step(1)) if r % 2 == 0 else (step(1), step(0))[::-1]
+        diffs.append(b - a)
+        base.append(a)
+    d, b = statistics.median(diffs), statistics.median(base)
+    print(f"timing hooks alone (one process, MNIST-1D CNN, batch {args.batch // WORLD}, "
+          f"{len(params)} parameter tensors, {args.pairs} alternating pairs): "
+          f"+{d * 1e6:.0f} us per step on a median step of {b * 1e3:.2f} ms = "
+          f"{100 * d / b:+.2f}%")
+
+
 def _spawn(fn, args, slow_rank: int | None = None) -> None:
     ctx = mp.spawn(_entry, args=(fn, args, WORLD, free_port()), nprocs=WORLD, join=False)
     stop = threading.Event()
@@ -180,7 +247,9 @@ def _spawn(fn, args, slow_rank: int | None = None) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=("cost", "slowed", "both"), default="both")
+    p.add_argument("--part", choices=("direct", "cost", "slowed", "both"), default="both",
+                   help="both: direct, cost and slowed")
+    p.add_argument("--pairs", type=int, default=400, help="direct: alternating step pairs")
     p.add_argument("--batch", type=int, default=512, help="global batch (both workers)")
     p.add_argument("--interval", type=int, default=20, help="straggler.interval_steps")
     p.add_argument("--rounds", type=int, default=16, help="cost: rotating blocks per loop")
@@ -193,6 +262,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per worker")
     args = p.parse_args(argv)
     get_task("mnist1d")  # fill the data cache once, before the workers
+    if args.part in ("direct", "both"):
+        _direct(args)
     if args.part in ("cost", "both"):
         _spawn(_cost, args)
     if args.part in ("slowed", "both"):
