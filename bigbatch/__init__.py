@@ -29,6 +29,7 @@ _WHERE = {
     "prepare": "bigbatch.engine", "Run": "bigbatch.engine",
     "TrainConfig": "bigbatch.train", "get_task": "bigbatch.tasks",
     "GradientNoiseScale": "bigbatch.adaptive", "AdaScale": "bigbatch.adaptive",
+    "Policy": "bigbatch.adaptive",
     "ConfigError": "bigbatch.errors",
     "adascale": "bigbatch.adaptive.adascale", "adasum": "bigbatch.adaptive.adasum",
     "gns": "bigbatch.adaptive.gns", "elastic": "bigbatch.config.elastic",
@@ -40,7 +41,7 @@ _WHERE = {
 __all__ = [
     "LARS", "LAMB", "param_groups",
     "Strategy", "BatchPlan", "Schedule", "scale_lr",
-    "prepare", "Run",
+    "prepare", "Run", "Policy",
     "TrainConfig", "get_task",
     "GradientNoiseScale", "AdaScale",
     "ConfigError",

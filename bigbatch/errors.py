@@ -7,3 +7,16 @@ catch them as `ValueError`.
 
 class ConfigError(ValueError):
     """A bad configuration key, value, file or combination of options."""
+
+
+class PolicyError(ConfigError):
+    """A policy that cannot be loaded, or one of its hooks raised (the message names it)."""
+
+
+class PolicyStop(Exception):  # noqa: N818 - a requested end, not an error
+    """A policy ended the run on purpose (after a checkpoint); `status` is the exit status
+    the CLI returns (`bigbatch.adaptive.straggler.EXIT_STRAGGLER` for a straggler)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = int(status)

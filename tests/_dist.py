@@ -62,8 +62,11 @@ def _child(fn: Callable, args: tuple, rank: int, world_size: int, port: int, out
 
 
 def run_workers(fn: Callable, world_size: int = 2, args: tuple = (), timeout: float = 60.0,
-                init_group: bool = False) -> list[Any]:
-    """Run `fn(*args)` on `world_size` gloo workers; return their results by rank."""
+                init_group: bool = False,
+                on_start: Callable[[list[Any]], None] | None = None) -> list[Any]:
+    """Run `fn(*args)` on `world_size` gloo workers; return their results by rank.
+
+    `on_start(processes)` runs once they are started (e.g. to signal one of them)."""
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
@@ -73,6 +76,8 @@ def run_workers(fn: Callable, world_size: int = 2, args: tuple = (), timeout: fl
         ]
         for p in procs:
             p.start()
+        if on_start is not None:
+            on_start(procs)
         deadline = time.monotonic() + timeout
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))

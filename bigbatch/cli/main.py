@@ -8,6 +8,10 @@ non-finite loss under `--nan-policy`, a failed checkpoint save, a full disk, a p
 that did not answer in time, a failed rendezvous) print one line and exit 1. A run
 stopped by SIGTERM, SIGINT or SIGHUP saves a checkpoint, prints one line and exits
 with 128 + the signal's number (143, 130, 129).
+A policy that ends the run on purpose (`[straggler] action = "stop"`: status 75)
+prints its line after a checkpoint and exits with its status; under torchrun the
+workers exit 0, so that torchrun does not restart them, and `bigbatch train --nproc N`
+returns the status from `OUT/stopped.json`.
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 from bigbatch.cli.argtypes import OneLineParser
 from bigbatch.cli.gns import GNS_DESCRIPTION, GNS_HELP
 from bigbatch.cli.lr_find import LR_FIND_DESCRIPTION, LR_FIND_HELP
+from bigbatch.cli.monitor import MONITOR_DESCRIPTION, MONITOR_HELP, add_monitor_arguments
 from bigbatch.cli.study import STUDY_DESCRIPTION, STUDY_HELP
 from bigbatch.cli.train import (
     EXIT_USAGE,
@@ -30,7 +36,7 @@ from bigbatch.cli.train import (
     run_train_command,
     under_launcher,
 )
-from bigbatch.errors import ConfigError
+from bigbatch.errors import ConfigError, PolicyStop
 from bigbatch.train.signals import Stopped, exit_status
 
 
@@ -69,6 +75,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         from bigbatch.cli.lr_find import add_lr_find_arguments
 
         add_lr_find_arguments(lr_find)
+    add_monitor_arguments(sub.add_parser("monitor", help=MONITOR_HELP,
+                                         description=MONITOR_DESCRIPTION))
     if command == "study":
         from bigbatch.cli.study import add_study_arguments
 
@@ -106,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_study_command(args)
     strategy = None
     try:
+        if args.command == "monitor":
+            from bigbatch.cli.monitor import run_monitor_command
+
+            return run_monitor_command(args)
         if args.command == "gns":
             from bigbatch.cli.gns import run_gns_command
 
@@ -115,7 +127,19 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_lr_find_command(args)
         config, strategy = resolve(args)
-        return run_train_command(args, argv, config, strategy)
+        started = time.time()
+        status = run_train_command(args, argv, config, strategy)
+        if not under_launcher():  # torchrun's status is 0 or 1; a policy's stop says more
+            from bigbatch.train.stopped import read_stopped
+
+            stopped = read_stopped(config.out, started)
+            if stopped is not None:
+                return stopped[1]
+        return status
+    except PolicyStop as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"bigbatch {args.command}: {e}", file=sys.stderr)
+        return 0 if under_launcher() and int(os.environ.get("WORLD_SIZE", "1")) > 1 else e.status
     except ConfigError as e:
         print(f"bigbatch {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE

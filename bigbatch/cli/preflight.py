@@ -76,6 +76,11 @@ def preflight(config, strategy, world_size: int | None, *, checks_out: bool = Tr
         check_out_path(out)
         check_unlocked(out)
     cls = task_class(config.task)
+    if strategy.adaptive.policies:  # a bad policy path: now, not in every worker
+        from bigbatch.engine.policies import load_policy
+
+        for spec in strategy.adaptive.policies:
+            load_policy(spec, strategy)
     path = ckpt = None
     if config.resume:  # first: another task's options or data must not be checked or made
         from bigbatch.train.checkpoint import latest_checkpoint, load_training_checkpoint

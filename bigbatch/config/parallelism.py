@@ -130,6 +130,11 @@ def check_parallel_combination(strategy: Any) -> None:
             f"[adaptive] with {what}: the noise scale, AdaScale and goodput need each worker's "
             "whole gradient before it is reduced, which sharded or sliced gradients are not; "
             "switch [adaptive] off or use plain data parallelism")
+    if "straggler" in strategy.adaptive.policies:
+        raise ConfigError(
+            f'adaptive.policies = ["straggler"] with {what}: compute time is told apart from '
+            "the wait for other workers in DDP's backward only, and rebalancing changes each "
+            "worker's batch; use plain data parallelism")
     if sharded and strategy.sharding.stage == 1 and tp > 1:
         raise ConfigError(
             "sharding.stage=1 (ZeroRedundancyOptimizer over DDP) does not combine with "

@@ -5,10 +5,12 @@ each field's metadata holds its validation rules.
 """
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from bigbatch.adaptive.straggler import ACTIONS as STRAGGLER_ACTIONS
 from bigbatch.config.elastic import ELASTIC_MODES
 from bigbatch.config.fields import check_fields, closest, unknown_key_message
 from bigbatch.config.limits import MAX_TIMEOUT_S
@@ -17,6 +19,8 @@ from bigbatch.config.schedules import DECAYS, WARMUP_STARTS
 from bigbatch.errors import ConfigError
 
 REDUCES = ("mean", "adasum", "fp16", "bf16", "powersgd", "dgc")
+BUILTIN_POLICIES = ("goodput", "noise_scale_doubling", "straggler")
+_POLICY_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 
 
 def _f(default: Any, **rules: Any) -> Any:
@@ -284,11 +288,22 @@ class AdaptiveConfig(_Section):
     """Track the gradient noise scale (GNS) and report it."""
     gns_ema: float = _f(0.95, ge=0, lt=1)
     """EMA decay of the gradient-statistics estimators."""
+    policies: tuple[str, ...] = _f(())
+    """Policies run around the training loop (`bigbatch.Policy`): the built-in "goodput"
+    (= batch_size "goodput"), "noise_scale_doubling" (KungFu's: double the batch as the
+    noise scale doubles, up to max_batch_size), "straggler" (see [straggler]), or your
+    own as "package.module:Class"."""
+
+    @property
+    def goodput(self) -> bool:
+        """Whether goodput chooses the batch (`batch_size` or `policies`)."""
+        return self.batch_size == "goodput" or "goodput" in self.policies
 
     @property
     def active(self) -> bool:
-        """Whether anything adaptive is switched on."""
-        return self.lr != "none" or self.batch_size != "fixed" or self.noise_scale
+        """Whether the noise scale is tracked (anything that reads it is switched on)."""
+        return (self.lr != "none" or self.goodput or self.noise_scale
+                or "noise_scale_doubling" in self.policies)
 
     def _check(self) -> None:
         lo, hi = self.min_batch_size, self.max_batch_size
@@ -296,6 +311,18 @@ class AdaptiveConfig(_Section):
             raise ConfigError(
                 f"adaptive.min_batch_size={lo} is larger than adaptive.max_batch_size={hi}"
             )
+        seen = set()
+        for spec in self.policies:
+            if spec not in BUILTIN_POLICIES and not _POLICY_PATH.fullmatch(spec):
+                raise ConfigError(
+                    f"adaptive.policies: {spec!r} is neither a built-in policy "
+                    f"({', '.join(BUILTIN_POLICIES)}) nor \"package.module:Class\"")
+            if spec in seen:
+                raise ConfigError(f"adaptive.policies names {spec!r} twice")
+            seen.add(spec)
+        if self.goodput and "noise_scale_doubling" in self.policies:
+            raise ConfigError('adaptive.policies: "noise_scale_doubling" and goodput both choose '
+                              "the global batch; keep one of them")
 
 
 @dataclass(frozen=True)
@@ -508,6 +535,30 @@ class ParameterServerConfig(_Section):
     dropped and counted."""
 
 
+@dataclass(frozen=True)
+class StragglerConfig(_Section):
+    """``[straggler]``: find a rank that computes slower than the others, and act. On with
+    ``[adaptive] policies = ["straggler"]`` (`bigbatch.engine.straggler`)."""
+
+    section: ClassVar[str] = "straggler"
+
+    interval_steps: int = _f(20, ge=1)
+    """Optimizer steps per window: each window, every rank's compute, data-wait and sync
+    times are gathered (scalars only)."""
+    threshold: float = _f(1.5, gt=1)
+    """A rank is slow in a window when its compute time exceeds this times the median of
+    the other ranks'."""
+    patience: int = _f(3, ge=1)
+    """Consecutive slow windows before a rank is flagged."""
+    action: str = _f("warn", choices=STRAGGLER_ACTIONS)
+    """warn: log and record it; rebalance: slower ranks get smaller micro batches, faster
+    ones larger (the global batch and the step stay exact); stop: checkpoint and exit with
+    status 75 so that a scheduler can restart the job without the node."""
+    max_micro_factor: float = _f(2.0, ge=1)
+    """rebalance: the largest micro batch a rank may get, as a multiple of the even one
+    (a faster rank's memory)."""
+
+
 SECTIONS: dict[str, type[_Section]] = {
     c.section: c
     for c in (
@@ -528,6 +579,7 @@ SECTIONS: dict[str, type[_Section]] = {
         LocalSGDConfig,
         AdaptiveLocalSGDConfig,
         ParameterServerConfig,
+        StragglerConfig,
     )
 }
 KEYS = {name: [f.name for f in dataclasses.fields(c)] for name, c in SECTIONS.items()}

@@ -58,6 +58,7 @@ from bigbatch.config.sections import (
     PipelineConfig,
     RecomputeConfig,
     ShardingConfig,
+    StragglerConfig,
     TensorParallelConfig,
     is_optional,
     section_from_dict,
@@ -77,6 +78,7 @@ __all__ = [
     "OptimizerConfig",
     "RecomputeConfig",
     "Strategy",
+    "StragglerConfig",
 ]
 
 
@@ -161,6 +163,8 @@ class Strategy:
     """[adaptive_localsgd]: local SGD with an adaptive interval (off by default)."""
     parameter_server: ParameterServerConfig = _off(ParameterServerConfig)
     """[parameter_server]: server and worker ranks on torch.distributed.rpc (off by default)."""
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    """[straggler]: straggler detection, used with adaptive.policies = ["straggler"]."""
 
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():
@@ -202,6 +206,12 @@ class Strategy:
                 f'adaptive.lr = "adascale" supplies its own LR gain; set batch.scaling = "none" '
                 f'(got "{self.batch.scaling}")'
             )
+        if ("straggler" in self.adaptive.policies and self.straggler.action == "rebalance"
+                and self.adaptive.active):
+            raise ConfigError(
+                'straggler.action = "rebalance" with the noise scale tracked ([adaptive] '
+                "noise_scale, AdaScale, goodput or noise_scale_doubling): unequal micro batches "
+                'bias its per-worker estimate; use action = "warn" or "stop" there')
 
     # -- dict / TOML -----------------------------------------------------------------
 
@@ -357,8 +367,10 @@ class Strategy:
         for name in SECTIONS:
             section = getattr(self, name)
             enable = getattr(section, "enable", None)
-            if enable is False or (name == "adaptive" and not section.active) or (
-                    name == "tensor_parallel" and section.tensor_parallel_degree == 1):
+            if enable is False or (name == "adaptive" and not section.active
+                                   and not section.policies) or (
+                    name == "tensor_parallel" and section.tensor_parallel_degree == 1) or (
+                    name == "straggler" and "straggler" not in self.adaptive.policies):
                 continue
             title = f"[{name}]" if enable is None else f"{name}=True <-> [{name}]"
             hidden = _UNUSED.get(section.type, ()) if name == "optimizer" else ()

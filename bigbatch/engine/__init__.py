@@ -78,6 +78,13 @@ Training length and the `[adaptive]` section (glue in `bigbatch.engine.adaptive`
 - The noise scale needs the plain mean of the workers' gradients:
   ``data_parallel.reduce = "adasum"`` with any of these is a ConfigError.
 
+Policies (`bigbatch.Policy`, KungFu's hooks; `bigbatch.engine.policies`): ``[adaptive]
+policies`` and ``prepare(..., policies=[...])`` give `run.policies`. The engine calls each
+policy's ``after_step`` after every step taken; the loop calls ``run.policies.before_epoch(e)``
+and the other loop hooks, and honours ``run.policies.stop`` (checkpoint, then end). The
+``straggler`` policy (`bigbatch.engine.straggler`) may set `run.micro_batch_sizes`: per-rank
+micro batches that the loader must follow (mean losses are then weighted by samples).
+
 The data contract of an adaptive batch size: the loop reads `run.plan` after
 every optimizer step (`ms.stepped`) and, when `plan.global_batch_size` or
 `plan.micro_batch_size` differ from what its loader yields, rebuilds the loader

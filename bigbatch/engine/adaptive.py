@@ -53,8 +53,10 @@ def _switched_on(a: Any) -> list[str]:
         on.append("adaptive.noise_scale=true")
     if a.lr == "adascale":
         on.append('adaptive.lr="adascale"')
-    if a.batch_size == "goodput":
+    if a.goodput:
         on.append('adaptive.batch_size="goodput"')
+    if "noise_scale_doubling" in a.policies:
+        on.append('adaptive.policies=["noise_scale_doubling"]')
     return on
 
 
@@ -69,7 +71,7 @@ def check(strategy: Any, plan: Any = None) -> bool:
             f"data_parallel.reduce='adasum' cannot be combined with {on[0]}: the noise scale "
             "needs the mean of the workers' gradients; use reduce='mean'"
         )
-    if a.batch_size == "goodput" and plan is not None:
+    if a.goodput and plan is not None:
         _goodput_limits(a, plan)
     return True
 
@@ -139,7 +141,7 @@ class Adaptive:
             self.adascale = AdaScale(strategy.batch.base_batch_size, run.plan.global_batch_size,
                                      power=power)
         self.tuner: GoodputTuner | None = None
-        if a.batch_size == "goodput":
+        if a.goodput:
             # Limits from the configured batch, not from one a resume restored (`prepare(plan=)`).
             try:
                 configured = strategy.resolve(run.world.world_size)
@@ -158,6 +160,8 @@ class Adaptive:
         self._consecutive = _Consecutive()
         self._pending: list[tuple[int, Any, Any, float, float, float]] = []
         self._warm = 1  # steps whose time is not recorded (first step, after a change)
+        self.batch_limit = 2**62
+        """The largest global batch any policy may choose (`limit_batch_size`)."""
 
     # ------------------------------------------------------------- per step
 
@@ -230,7 +234,8 @@ class Adaptive:
                                           "big_batch": big_b})
 
     def on_step(self, run: RunLike) -> None:
-        """Step hook (goodput): record the step time; every `interval_steps`, decide."""
+        """Goodput's step (the ``goodput`` policy's `after_step`): record the step time;
+        every `interval_steps`, decide."""
         if self.measure_step_time:
             if self._warm > 0:
                 self._warm -= 1
@@ -274,7 +279,9 @@ class Adaptive:
         self._warm = 1
 
     def limit_batch_size(self, max_global: int) -> None:
-        """Cap the global batch goodput may choose (e.g. at the training-set size)."""
+        """Cap the global batch goodput (or another policy) may choose (e.g. at the
+        training-set size)."""
+        self.batch_limit = max(1, min(self.batch_limit, int(max_global)))
         if self.tuner is not None:
             self.tuner.max_batch_size = max(1, min(self.tuner.max_batch_size, int(max_global)))
             self.tuner.min_batch_size = min(self.tuner.min_batch_size, self.tuner.max_batch_size)
@@ -295,7 +302,7 @@ class Adaptive:
             out["adascale_gain"] = float(self.adascale.last_gain)
         if self.adascale is not None or self.tuner is not None:
             out["progress"] = float(run.progress)
-        if self.tuner is not None:
+        if self.tuner is not None or "noise_scale_doubling" in self.config.policies:
             out["global_batch_size"] = float(run.plan.global_batch_size)
             out["micro_batch_size"] = float(run.plan.micro_batch_size)
             out["k_steps"] = float(run.k_steps)
@@ -326,12 +333,12 @@ class Adaptive:
 
 
 def attach(run: RunLike) -> Adaptive:
-    """Build the controller for `run.strategy.adaptive` and register its hooks on `run`."""
+    """Build the controller for `run.strategy.adaptive` and register its hooks on `run`
+    (goodput's step runs as the ``goodput`` policy, `bigbatch.engine.policies`)."""
     ctl = Adaptive(run)
     install_local_norms(run, ctl.preconditioned)
     run.grad_hooks.insert(0, ctl.on_grads)  # first: AdaScale sets this step's LR scale
     if ctl.tuner is not None:
-        run.step_hooks.append(ctl.on_step)
         run.sync_timing = True
     run.state_objects["adaptive"] = ctl
     run.adaptive = ctl

@@ -97,6 +97,8 @@ class MicroStep:
                 loss.backward()
         else:
             loss.backward()
+        if run.timing is not None:
+            run.timing.backward_done(self.is_last)
 
     def skip(self) -> None:
         """Instead of `backward`: drop this optimizer step (see `Run.skip_step`).

@@ -14,6 +14,7 @@ from torch import nn
 from bigbatch.config.comm import local_sgd_section
 from bigbatch.config.parallelism import check_pipeline_plan, degrees
 from bigbatch.engine import adaptive as _adaptive
+from bigbatch.engine import policies as _policies
 from bigbatch.engine.amp import LossScaler, amp_dtype
 from bigbatch.engine.optimizer import build_optimizer, weight_decays
 from bigbatch.engine.recompute import apply_recompute
@@ -30,7 +31,8 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
             world: World | None = None, *, track_stats: bool = False,
             local_grad_norm: bool | None = None, plan: Any = None,
             tp_plan: Any = None, pipeline_layers: Any = None,
-            optimizer: torch.optim.Optimizer | None = None) -> Run:
+            optimizer: torch.optim.Optimizer | None = None,
+            policies: list[Any] | None = None) -> Run:
     """Apply `strategy` to `model` and return the `Run` that drives the training loop.
 
     `total_steps` and `steps_per_epoch` count optimizer steps (one per global
@@ -59,10 +61,17 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
     param group's ``lr`` (times the group's ``lr_scale``, default 1). A strategy with
     `[lars]` or `[lamb]` is then a ConfigError, as is a sharded, sliced or pipelined run
     (they replace the parameters your optimizer holds).
+
+    `policies`: `bigbatch.Policy` objects, or names as in ``[adaptive] policies`` (added
+    to `run.strategy`), run after those of the strategy (`run.policies`).
     """
     from bigbatch.config.schedules import Schedule
 
     world = world if world is not None else World.from_env()
+    names = tuple(p for p in policies or () if isinstance(p, str))
+    if names:
+        strategy = dataclasses.replace(strategy, adaptive=dataclasses.replace(
+            strategy.adaptive, policies=strategy.adaptive.policies + names))
     deg = degrees(strategy, world.world_size)
     if plan is None:
         plan = strategy.resolve(deg.data)
@@ -179,4 +188,5 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
         from bigbatch.engine.kfac import attach_kfac
 
         attach_kfac(run)
+    _policies.attach(run, [p for p in policies or () if not isinstance(p, str)])
     return run

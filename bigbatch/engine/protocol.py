@@ -51,6 +51,9 @@ class RunLike(Protocol):
     last_step_seconds: float
     sync_timing: bool
     track_grad_norm: bool
+    policies: Any
+    micro_batch_sizes: list[int] | None
+    timing: Any
 
     def micro_step(self) -> Any: ...
     def lr_at(self, progress: float) -> float: ...

@@ -95,7 +95,16 @@ class Run:
         """`bigbatch.parallel.local_sgd.LocalSGD` of `[localsgd]`/`[adaptive_localsgd]` runs on
         several workers, else None."""
         self.batch_size_changes: list[dict[str, Any]] = []
-        """Goodput decisions that changed the batch: step, old, new, micro, k, reason."""
+        """Policy decisions that changed the batch: step, old, new, micro, k, reason."""
+        self.policies: Any = None
+        """`bigbatch.engine.policies.Policies`: the run's policies and the loop's hooks."""
+        self.micro_batch_sizes: list[int] | None = None
+        """Per data rank micro batches when they differ (straggler rebalancing), summing to
+        ``plan.micro_batch_size x data degree``; None: all ``plan.micro_batch_size``. The
+        loader must follow it; mean losses are weighted by samples, so the step stays the
+        big-batch step. `set_batch` resets it."""
+        self.timing: Any = None
+        """A step timer told when each backward ends (`bigbatch.engine.step_timing`), or None."""
         self.last_step_seconds = 0.0
         """Seconds inside the micro-step blocks of the latest optimizer step (no data loading)."""
         self.sync_timing = False
@@ -140,7 +149,10 @@ class Run:
     # between optimizer steps (adaptive batch size) takes effect at once.
     @property
     def _mean_mult(self) -> float:
-        return 1.0 / self.k_steps if self.avg else 1.0
+        mult = 1.0 / self.k_steps if self.avg else 1.0
+        if self.micro_batch_sizes is not None:  # the workers' mean, weighted by samples
+            mult *= self.micro_batch_sizes[self.mesh.data_rank] / self.plan.micro_batch_size
+        return mult
 
     @property
     def _count_mult(self) -> float:
@@ -234,6 +246,7 @@ class Run:
         self.plan = plan = self.strategy.batch_plan(micro_batch_size * k_steps * W,
                                                     micro_batch_size, k_steps, W)
         self.k_steps = plan.k_steps
+        self.micro_batch_sizes = None
         self.schedule = dataclasses.replace(
             self._base_schedule, peak_lr=plan.peak_lr,
             warmup_start_lr=warmup_start_lr(self.strategy.batch.base_lr, plan.peak_lr,

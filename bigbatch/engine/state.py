@@ -78,6 +78,7 @@ def state_dict(run: RunLike) -> dict[str, Any]:
             run.mesh.data_degree, run.unit_batch_size, configured_sizes(run.strategy),
         ).to_dict(),
         "extra": {name: obj.state_dict() for name, obj in run.state_objects.items()},
+        "micro_batch_sizes": run.micro_batch_sizes,
     }
     if run._comm is not None and (comm := run._comm.state_dict()) is not None:
         # Per-worker memory (error feedback, residuals): every rank's, by rank.
@@ -133,5 +134,9 @@ def load_state_dict(run: RunLike, state: dict[str, Any]) -> None:
         run._count = float(window["count"])
         for p, g in zip(run._params, window["grads"], strict=True):
             p.grad = None if g is None else g.to(p.device).clone()
+    sizes = state.get("micro_batch_sizes")
+    if sizes is not None and len(sizes) == run.mesh.data_degree and (
+            sum(sizes) == run.plan.micro_batch_size * run.mesh.data_degree):
+        run.micro_batch_sizes = [int(x) for x in sizes]  # else the workers moved: even again
     run.last_lr = run.lr_at(run.progress)
     run._set_lr(run.last_lr)

@@ -7,6 +7,10 @@ batch). That global batch is cut into `k_steps x world_size` micro-batches of
 So 1 worker with gradient merge and N workers without it see the same samples
 per step, and the position (epoch, samples consumed) resumes a run mid-epoch,
 even on another world size.
+
+With per-worker shares (`set_shares`, straggler rebalancing) each micro-step's
+``micro_batch_size x world_size`` samples are cut into the workers' shares in
+rank order instead of equal chunks: the same samples per step, split differently.
 """
 
 from __future__ import annotations
@@ -58,6 +62,22 @@ class GlobalBatchSampler:
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.k_steps = k
+        self.shares: list[int] | None = None
+        """Per-worker micro batches when they differ (`set_shares`), else None."""
+
+    def set_shares(self, sizes: list[int] | None) -> None:
+        """Per-worker micro batches from the next step on (None: equal); they must sum to
+        ``micro_batch_size x world_size`` so the global batch stays."""
+        if sizes is not None:
+            sizes = [int(x) for x in sizes]
+            if (len(sizes) != self.world_size or min(sizes) < 1
+                    or sum(sizes) != self.micro_batch_size * self.world_size):
+                raise ConfigError(
+                    f"micro batches per worker {sizes}: expected {self.world_size} sizes >= 1 "
+                    f"summing to {self.micro_batch_size * self.world_size}")
+            if len(set(sizes)) == 1:
+                sizes = None
+        self.shares = sizes
 
     @property
     def steps_per_epoch(self) -> int:
@@ -88,8 +108,13 @@ class GlobalBatchSampler:
             m = self.micro_batch_size
             batch = perm[self.position : self.position + self.global_batch_size]
             self.position += self.global_batch_size
-            yield [batch[(j * w + self.rank) * m : (j * w + self.rank + 1) * m]
-                   for j in range(self.k_steps)]
+            if self.shares is None:
+                yield [batch[(j * w + self.rank) * m : (j * w + self.rank + 1) * m]
+                       for j in range(self.k_steps)]
+            else:
+                start, size = sum(self.shares[:self.rank]), self.shares[self.rank]
+                yield [batch[j * w * m + start : j * w * m + start + size]
+                       for j in range(self.k_steps)]
 
     def next_epoch(self) -> None:
         self.epoch += 1

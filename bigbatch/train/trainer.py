@@ -35,6 +35,7 @@ from bigbatch.config.strategy import Strategy
 from bigbatch.engine.optimizer import exclusion_summary
 from bigbatch.engine.prepare import prepare
 from bigbatch.engine.run import schedule_steps
+from bigbatch.errors import PolicyStop
 from bigbatch.parallel.world import (
     World,
     all_reduce_sum,
@@ -73,6 +74,7 @@ from bigbatch.train.progress import (
 from bigbatch.train.resume import check_resume
 from bigbatch.train.sharded import load_sharded, save_sharded, whole_model_state
 from bigbatch.train.signals import Stopped, StopSignals
+from bigbatch.train.stopped import write_stopped
 
 __all__ = ["RUN_FILE", "TrainConfig", "load_task", "plan_run", "train"]
 
@@ -239,11 +241,31 @@ class _Trainer:
             data.seed_everything(self.config.seed * 1000 + w.world_size * 100 + w.rank + self.run.step)
 
     def _follow_plan(self) -> None:
-        """Make the sampler hand out the engine's current batch (it changes under goodput)."""
+        """Make the sampler hand out the engine's current batch (policies change it)."""
         plan, s = self.run.plan, self.sampler
         if (plan.global_batch_size, plan.micro_batch_size) != (s.global_batch_size,
                                                                s.micro_batch_size):
             s.set_batch(plan.global_batch_size, plan.micro_batch_size)
+        if self.run.micro_batch_sizes != s.shares:
+            s.set_shares(self.run.micro_batch_sizes)
+
+    def _policy_requests(self) -> None:
+        """Write what the policies recorded; checkpoint, or stop after one, when asked."""
+        policies = self.run.policies
+        for record in policies.take_records():
+            if self.main:
+                self.writer.write(record)
+        self._follow_plan()
+        if policies.stop is not None:
+            self.checkpoint()
+            message, status = policies.stop
+            if self.main:
+                write_stopped(self.out, message, status, self.run.step, self.files)
+            self.bar.close()
+            raise PolicyStop(message, status)
+        if policies.checkpoint_requested:
+            policies.checkpoint_requested = False
+            self.checkpoint()
 
     def _write(self, name: str, text: str) -> None:
         """Rank 0: the output file `name` (recorded first, written atomically)."""
@@ -281,7 +303,10 @@ class _Trainer:
         metrics: dict[str, float] | None = None
         t_loop = time.perf_counter()
         t_log, eval_at_log, samples_at_log = t_loop, 0.0, self.samples
+        run.policies.before_train()
         while not run.done:
+            run.policies.before_epoch(sampler.epoch + 1)
+            self._policy_requests()
             for micro_batches in sampler:
                 skipped = False
                 if run.pipeline is not None:  # the k micro-batches go through it together
@@ -321,7 +346,7 @@ class _Trainer:
                     self._log_train(loss_acc, (self.samples - samples_at_log) / max(dt, 1e-9))
                     t_log, eval_at_log, samples_at_log = (time.perf_counter(),
                                                           self.timer["eval"], self.samples)
-                self._follow_plan()
+                self._policy_requests()
                 if run.done:
                     break
                 every = self.config.eval_every
@@ -333,12 +358,16 @@ class _Trainer:
                     self._stop_if_asked()
             if sampler.epoch_done:
                 metrics = self.evaluate()
+                run.policies.after_epoch(sampler.epoch + 1)
+                self._policy_requests()
                 sampler.next_epoch()
                 if not run.done:
                     self.checkpoint()
                     self._stop_if_asked()
         if metrics is None or sampler.position != 0:
             metrics = self.evaluate()
+        run.policies.after_train()
+        self._policy_requests()
         self.checkpoint()
         self.bar.close()
         # Step time: the loop without evaluation. What is not forward/backward/optimizer in it
@@ -360,9 +389,6 @@ class _Trainer:
                                "loss": loss, "samples_per_s": samples_per_s,
                                "global_batch_size": run.plan.global_batch_size,
                                **{k: v for k, v in stats.items() if k != "step"}})
-            for change in run.batch_size_changes:
-                if change["step"] == run.step:
-                    self.writer.write({"kind": "batch_size", **change})
         self.bar.update(min(run.progress, self.total_steps), epoch=self.epoch, loss=loss,
                         lr=stats["lr"], samples_per_s=samples_per_s)
 

@@ -1,0 +1,74 @@
+"""`bigbatch monitor OUT`: a one-shot text view and the PNG of a finished run; a live file's
+half-written last line is skipped."""
+
+import json
+
+import pytest
+
+from bigbatch.cli.main import main
+from bigbatch.config.strategy import Strategy
+from bigbatch.train.monitor import read_run, sparkline
+from bigbatch.train.trainer import TrainConfig, train
+
+STRATEGY = """
+[batch]
+global_batch_size = 64
+base_batch_size = 32
+base_lr = 0.05
+warmup_steps = 2
+
+[lars]
+lars_coeff = 0.01
+
+[adaptive]
+noise_scale = true
+"""
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    out = tmp_path_factory.mktemp("monitor") / "run"
+    mp = pytest.MonkeyPatch()
+    mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "xdg-cache"))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        mp.delenv(name, raising=False)
+    try:
+        train(TrainConfig(task="mnist1d", model="mlp", task_options={"num_samples": 1000},
+                          steps=12, out=str(out), log_every=1, progress=False,
+                          tensorboard=False), Strategy.from_toml(STRATEGY))
+    finally:
+        mp.undo()
+    return out
+
+
+def test_one_shot_text_view_of_a_finished_run(finished, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "160")
+    assert main(["monitor", str(finished), "--once"]) == 0
+    text = capsys.readouterr().out
+    assert "finished" in text and "step 12" in text
+    view = read_run(finished)
+    loss = view.series("loss")[1]
+    for row in ("loss", "lr", "global batch", "noise scale", "trust-ratio spread", "test accuracy"):
+        assert row in text, row
+    assert f"{loss[-1]:.4g}" in text and sparkline(loss) in text
+    assert len(view.series("gns")[1]) > 0 and len(view.spread()[1]) == 12
+
+
+def test_png_is_written_into_the_run_directory(finished, capsys):
+    assert main(["monitor", str(finished), "--png"]) == 0
+    png = finished / "monitor.png"
+    assert capsys.readouterr().out.strip() == str(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+def test_a_live_file_is_read_up_to_its_last_whole_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(
+        json.dumps({"kind": "train", "step": 1, "loss": 2.0}) + "\n" + '{"kind": "tra')
+    view = read_run(tmp_path)
+    assert view.series("loss") == ([1.0], [2.0]) and view.status == "running"
+
+
+def test_monitor_of_a_directory_without_metrics_is_one_line_exit_2(tmp_path, capsys):
+    assert main(["monitor", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no metrics.jsonl" in err
