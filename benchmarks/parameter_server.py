@@ -55,7 +55,7 @@ def _job(rank: int, args) -> None:
     config = TrainConfig(task="mnist1d", model="cnn", task_options=SMALL, steps=args.steps,
                          out=out, progress=False, tensorboard=False, log_every=5)
     if strategy.parameter_server.enable:
-        train_parameter_server(config, strategy, World.from_env(), trainer, slow_worker=slow)
+        train_parameter_server(config, strategy, World.from_env(), slow_worker=slow)
     else:
         trainer.train(config, strategy)
 

@@ -132,7 +132,6 @@ SMALL = {"num_samples": 1000}  # 800 train samples: 12 steps of 64 per epoch
 
 def _job(out, overrides, cache, resume_from_step=None, slow=None):
     """In each rank: train (optionally after cutting `out` back to a checkpoint)."""
-    import bigbatch.train.trainer as trainer
     from bigbatch.parallel.world import World
     from bigbatch.train.ps_job import train_parameter_server
     from bigbatch.train.trainer import TrainConfig, train
@@ -144,8 +143,7 @@ def _job(out, overrides, cache, resume_from_step=None, slow=None):
                          checkpoint_every=5, log_every=2, progress=False, tensorboard=False,
                          keep_checkpoints=9, resume=resume_from_step is not None)
     if slow is not None:
-        return train_parameter_server(config, strategy, World.from_env(), trainer,
-                                      slow_worker=slow)
+        return train_parameter_server(config, strategy, World.from_env(), slow_worker=slow)
     return train(config, strategy)
 
 

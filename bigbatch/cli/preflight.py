@@ -67,7 +67,7 @@ def preflight(config, strategy, world_size: int | None, *, checks_out: bool = Tr
     from bigbatch.engine import adaptive
     from bigbatch.tasks import check_options, get_task, task_class
     from bigbatch.train.outdir import check_fresh, check_out_path
-    from bigbatch.train.trainer import plan_run
+    from bigbatch.train.plan import plan_run
 
     out = Path(config.out)
     if checks_out:

@@ -72,7 +72,8 @@ def resolved(config: StudyConfig) -> tuple[StudyConfig, Any]:
 
 def build_cells(c: StudyConfig, task: Any, recipe: Any) -> list[Cell]:
     """Every cell, validated (batch arithmetic and schedule) before anything runs."""
-    from bigbatch.train.trainer import TrainConfig, plan_run
+    from bigbatch.train.config import TrainConfig
+    from bigbatch.train.plan import plan_run
 
     cells, out = [], Path(c.out) / "cells"
     for name in c.strategies:

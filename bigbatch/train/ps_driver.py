@@ -4,6 +4,7 @@ and checkpoints, then releases the step's replies (see `bigbatch.train.ps_job`).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import queue
 import statistics
@@ -15,7 +16,9 @@ import torch
 
 from bigbatch.train import data
 from bigbatch.train.checkpoint import atomic_save, save_checkpoint, write_text_atomic
-from bigbatch.train.progress import MetricsWriter, ProgressBar, closing_line, reference
+from bigbatch.train.outdir import RUN_FILE
+from bigbatch.train.progress import MetricsWriter, ProgressBar, closing_line
+from bigbatch.train.summary import run_summary
 
 __all__ = ["Driver"]
 
@@ -48,7 +51,7 @@ class Driver:
         out = Path(cfg.out)
         job.files.begin(overwrite=cfg.overwrite and not cfg.resume)
         write_recorded(job.files, out / "strategy.toml", job.strategy.to_toml())
-        write_recorded(job.files, out / job.run_file, json.dumps(cfg.to_dict(), indent=2) + "\n")
+        write_recorded(job.files, out / RUN_FILE, json.dumps(cfg.to_dict(), indent=2) + "\n")
         self.writer = MetricsWriter(out, tensorboard=cfg.tensorboard, files=job.files,
                                     resume_step=run.step if job.ckpt is not None else None)
         self.bar = ProgressBar(run.total_steps, int(run.progress), enabled=True, bar=cfg.progress)
@@ -181,20 +184,11 @@ def summary_of(job: Any, run: Any, server: Any, driver: Any,
                metrics: dict[str, float]) -> dict[str, Any]:
     plan, task = job.plan, job.task
     hist = dict(sorted(server.staleness.items()))
-    epochs = driver.samples / (job.spe * plan.global_batch_size)
-    return {
-        "task": task.name, "model": task.check_model(job.config.model),
-        **{f"test_{k}": v for k, v in metrics.items()}, "metric": task.metric,
-        "steps": run.step, "epochs": epochs, "samples": driver.samples,
-        "global_batch_size": plan.global_batch_size, "micro_batch_size": plan.micro_batch_size,
-        "k_steps": plan.k_steps, "world_size": job.world.world_size,
-        "optimizer": job.strategy.optimizer_name(), "peak_lr": run.plan.peak_lr,
-        "seed": job.config.seed, "wall_time_s": driver.wall_time(),
-        "samples_per_s": driver.samples_per_s(),
-        "parameter_server": {"mode": job.cfg.mode, "servers": job.servers,
-                             "workers": job.workers, "staleness_histogram": hist,
-                             "dropped": server.dropped},
-        "reference": (reference(task.recipe(job.config.model), epochs, task.metric)
-                      if task.default_options else None),
-        "strategy": job.strategy.to_dict(),
-    }
+    return run_summary(
+        task=task, model=task.check_model(job.config.model), metrics=metrics, steps=run.step,
+        epochs=driver.samples / (job.spe * plan.global_batch_size), samples=driver.samples,
+        plan=dataclasses.replace(plan, peak_lr=run.plan.peak_lr),
+        world_size=job.world.world_size, strategy=job.strategy, seed=job.config.seed,
+        wall_time_s=driver.wall_time(), samples_per_s=driver.samples_per_s(),
+        parameter_server={"mode": job.cfg.mode, "servers": job.servers, "workers": job.workers,
+                          "staleness_histogram": hist, "dropped": server.dropped})

@@ -37,6 +37,7 @@ from bigbatch.train.checkpoint import (
     set_rng_state,
 )
 from bigbatch.train.outdir import prepare_out
+from bigbatch.train.plan import load_task, plan_run
 from bigbatch.train.ps_driver import Driver
 
 __all__ = ["check_resume", "train_parameter_server"]
@@ -61,16 +62,14 @@ def check_resume(ckpt: dict, strategy: Any, world_size: int, name: str) -> None:
                 f"parameter_server.servers={saved['servers']})")
 
 
-def train_parameter_server(config: Any, strategy: Any, world: World, trainer: Any,
+def train_parameter_server(config: Any, strategy: Any, world: World,
                            *, slow_worker: tuple[int, float] | None = None) -> dict[str, Any]:
     """Run this rank's part; returns the summary on server 0, a short record elsewhere.
 
-    `trainer`: what the main job (`bigbatch.train.trainer`) shares, by attribute:
-    `RUN_FILE`, `load_task` and `plan_run`. The output directory follows the main job's
-    rules (`bigbatch.train.outdir`): server 0 holds its lock and records what it writes. `slow_worker` (index, seconds): that worker
+    The output directory follows the main job's rules (`bigbatch.train.outdir`): server 0
+    holds its lock and records what it writes. `slow_worker` (index, seconds): that worker
     sleeps after each push (benchmarks).
     """
-    load_task, plan_run = trainer.load_task, trainer.plan_run
     owns_group = world.is_distributed and not dist.is_initialized()
     init_distributed(strategy.data_parallel, world)
     rpc_on = False
@@ -93,7 +92,7 @@ def train_parameter_server(config: Any, strategy: Any, world: World, trainer: An
         ps.start_rpc(world.rank, world.world_size, cfg.servers, timeout)
         rpc_on = True
         job = _Job(config, strategy, task, model, plan, total_steps, spe, ckpt, world)
-        job.run_file, job.files = trainer.RUN_FILE, files
+        job.files = files
         if world.rank < cfg.servers:
             return job.serve(resume_from)
         return job.work(sampler, slow_worker)

@@ -29,12 +29,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bigbatch.config.elastic import resume_line, resume_plan
-from bigbatch.config.parallelism import check_pipeline_plan, degrees
+from bigbatch.config.elastic import resume_line
 from bigbatch.config.strategy import Strategy
 from bigbatch.engine.optimizer import exclusion_summary
 from bigbatch.engine.prepare import prepare
-from bigbatch.engine.run import schedule_steps
 from bigbatch.errors import PolicyStop
 from bigbatch.parallel.world import (
     World,
@@ -46,8 +44,6 @@ from bigbatch.parallel.world import (
     sync_buffers,
     teardown,
 )
-from bigbatch.tasks import Task, get_task
-from bigbatch.tasks.sampler import GlobalBatchSampler
 from bigbatch.train import data
 from bigbatch.train.checkpoint import (
     CHECKPOINT_FORMAT,
@@ -65,71 +61,28 @@ from bigbatch.train.config import MAX_NONFINITE_SKIPS, TrainConfig
 from bigbatch.train.nonfinite import NonFiniteGuard
 from bigbatch.train.outdir import RUN_FILE, prepare_out
 from bigbatch.train.pipeline_eval import evaluate_pipeline
+from bigbatch.train.plan import load_task, plan_run
 from bigbatch.train.progress import (
     MetricsWriter,
     ProgressBar,
     closing_line,
-    reference,
 )
 from bigbatch.train.resume import check_resume
 from bigbatch.train.sharded import load_sharded, save_sharded, whole_model_state
 from bigbatch.train.signals import Stopped, StopSignals
 from bigbatch.train.stopped import write_stopped
+from bigbatch.train.summary import run_summary
 
 __all__ = ["RUN_FILE", "TrainConfig", "load_task", "plan_run", "train"]
-
-
-def load_task(config: TrainConfig, world: World) -> Task:
-    """The task, built on rank 0 first so a data-set cache is generated only once."""
-    if world.rank == 0:
-        task = get_task(config.task, **config.task_options)
-    barrier(world)
-    if world.rank != 0:
-        task = get_task(config.task, **config.task_options)
-    return task
-
-
-def plan_run(config: TrainConfig, strategy: Strategy, task: Task, world_size: int,
-             rank: int = 0, saved: dict | None = None) -> tuple[Any, GlobalBatchSampler, int, int]:
-    """(BatchPlan, this worker's sampler, total_steps, steps_per_epoch) in the schedule's units.
-
-    `saved`: a checkpoint's batch state (`Run.state_dict()["batch"]`): the plan
-    follows `bigbatch.config.elastic.resume_plan` and the units stay the checkpoint's.
-    Validates the schedule too, so a launcher can report every config mistake
-    before starting workers.
-    """
-    from bigbatch.config.schedules import Schedule
-
-    deg = degrees(strategy, world_size)
-    if deg.tensor > 1:
-        task.check_tensor_parallel(deg.tensor)
-    if saved is not None:
-        plan, unit = resume_plan(strategy, deg.data, saved), saved["unit_batch_size"]
-    else:
-        plan, unit = strategy.resolve(deg.data), None
-    check_pipeline_plan(strategy, plan.k_steps)
-    n = len(task.train_set)
-    # Tensor-parallel peers share their samples: the sampler counts data-parallel ranks.
-    sampler = GlobalBatchSampler(n, plan.global_batch_size, plan.micro_batch_size, deg.data,
-                                 deg.data_rank(rank), config.seed)
-    epochs = config.epochs if config.epochs is not None else task.recipe(config.model).epochs
-    total_steps, spe = schedule_steps(strategy, deg.data, n, epochs, unit)
-    if config.steps is not None:
-        total_steps = config.steps
-    Schedule.from_strategy(strategy, plan, total_steps, spe)
-    return plan, sampler, total_steps, spe
 
 
 def train(config: TrainConfig, strategy: Strategy, world: World | None = None) -> dict[str, Any]:
     """Train `config.task` under `strategy` in this worker; returns the summary (all ranks)."""
     world = world if world is not None else World.from_env()
     if strategy.parameter_server.enable:  # server and worker ranks instead of DDP
-        from types import SimpleNamespace
-
         from bigbatch.train.ps_job import train_parameter_server
 
-        parts = SimpleNamespace(RUN_FILE=RUN_FILE, load_task=load_task, plan_run=plan_run)
-        return train_parameter_server(config, strategy, world, parts)
+        return train_parameter_server(config, strategy, world)
     owns_group = world.is_distributed and not dist.is_initialized()
     init_distributed(strategy.data_parallel, world)
     trainer = None
@@ -447,34 +400,18 @@ class _Trainer:
     def _finish(self, metrics: dict[str, float], step_time: float) -> dict[str, Any]:
         run, plan, task = self.run, self.run.plan, self.task
         timer = self.timer
-        summary = {
-            "task": task.name,
-            "model": self.model_name,
-            **{f"test_{k}": v for k, v in metrics.items()},
-            "metric": task.metric,
-            "steps": run.step,
-            "epochs": self.epoch,
-            "samples": self.samples,
-            "global_batch_size": plan.global_batch_size,
-            "micro_batch_size": plan.micro_batch_size,
-            "k_steps": plan.k_steps,
-            "world_size": self.world.world_size,
-            "optimizer": self.strategy.optimizer_name(),
-            "peak_lr": plan.peak_lr,
-            "seed": self.config.seed,
-            "wall_time_s": self.elapsed_before + time.perf_counter() - self.t_start,
-            "samples_per_s": (float(np.median(self.samples_per_s))
-                              if self.samples_per_s else None),
-            "skipped_steps": run.skipped_steps,
-            "nonfinite_skipped_steps": self.guard.skipped if self.guard else 0,
-            "batch_size_changes": list(run.batch_size_changes),
-            "time_s": {"steps": step_time, "compute": timer["compute"], "eval": timer["eval"],
-                       "checkpoint": timer["checkpoint"]},
-            "overhead_share": 1.0 - timer["compute"] / step_time if step_time > 0 else None,
-            "reference": (reference(task.recipe(self.model_name), self.epoch, task.metric)
-                          if task.default_options else None),
-            "strategy": self.strategy.to_dict(),
-        }
+        summary = run_summary(
+            task=task, model=self.model_name, metrics=metrics, steps=run.step,
+            epochs=self.epoch, samples=self.samples, plan=plan,
+            world_size=self.world.world_size, strategy=self.strategy, seed=self.config.seed,
+            wall_time_s=self.elapsed_before + time.perf_counter() - self.t_start,
+            samples_per_s=float(np.median(self.samples_per_s)) if self.samples_per_s else None,
+            skipped_steps=run.skipped_steps,
+            nonfinite_skipped_steps=self.guard.skipped if self.guard else 0,
+            batch_size_changes=list(run.batch_size_changes),
+            time_s={"steps": step_time, "compute": timer["compute"], "eval": timer["eval"],
+                    "checkpoint": timer["checkpoint"]},
+            overhead_share=1.0 - timer["compute"] / step_time if step_time > 0 else None)
         sync_buffers(run.module, self.world, run.mesh.dp_group)
         weights = (whole_model_state(run.module, run.mesh, run.pipeline) if self.sharded
                    else run.module.state_dict())

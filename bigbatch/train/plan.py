@@ -1,0 +1,59 @@
+"""What a run will do before it starts: its task (built once, rank 0 first) and its
+batch plan, sampler and step counts (`plan_run`); shared by the main job, the
+parameter-server job, the launcher's preflight and the study."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bigbatch.config.elastic import resume_plan
+from bigbatch.config.parallelism import check_pipeline_plan, degrees
+from bigbatch.config.strategy import Strategy
+from bigbatch.engine.run import schedule_steps
+from bigbatch.parallel.world import World, barrier
+from bigbatch.tasks import Task, get_task
+from bigbatch.tasks.sampler import GlobalBatchSampler
+from bigbatch.train.config import TrainConfig
+
+__all__ = ["load_task", "plan_run"]
+
+
+def load_task(config: TrainConfig, world: World) -> Task:
+    """The task, built on rank 0 first so a data-set cache is generated only once."""
+    if world.rank == 0:
+        task = get_task(config.task, **config.task_options)
+    barrier(world)
+    if world.rank != 0:
+        task = get_task(config.task, **config.task_options)
+    return task
+
+
+def plan_run(config: TrainConfig, strategy: Strategy, task: Task, world_size: int,
+             rank: int = 0, saved: dict | None = None) -> tuple[Any, GlobalBatchSampler, int, int]:
+    """(BatchPlan, this worker's sampler, total_steps, steps_per_epoch) in the schedule's units.
+
+    `saved`: a checkpoint's batch state (`Run.state_dict()["batch"]`): the plan
+    follows `bigbatch.config.elastic.resume_plan` and the units stay the checkpoint's.
+    Validates the schedule too, so a launcher can report every config mistake
+    before starting workers.
+    """
+    from bigbatch.config.schedules import Schedule
+
+    deg = degrees(strategy, world_size)
+    if deg.tensor > 1:
+        task.check_tensor_parallel(deg.tensor)
+    if saved is not None:
+        plan, unit = resume_plan(strategy, deg.data, saved), saved["unit_batch_size"]
+    else:
+        plan, unit = strategy.resolve(deg.data), None
+    check_pipeline_plan(strategy, plan.k_steps)
+    n = len(task.train_set)
+    # Tensor-parallel peers share their samples: the sampler counts data-parallel ranks.
+    sampler = GlobalBatchSampler(n, plan.global_batch_size, plan.micro_batch_size, deg.data,
+                                 deg.data_rank(rank), config.seed)
+    epochs = config.epochs if config.epochs is not None else task.recipe(config.model).epochs
+    total_steps, spe = schedule_steps(strategy, deg.data, n, epochs, unit)
+    if config.steps is not None:
+        total_steps = config.steps
+    Schedule.from_strategy(strategy, plan, total_steps, spe)
+    return plan, sampler, total_steps, spe

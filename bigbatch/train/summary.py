@@ -1,0 +1,40 @@
+"""`summary.json`: what a finished run reports, the same keys for every kind of job."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bigbatch.train.progress import reference
+
+__all__ = ["run_summary"]
+
+
+def run_summary(*, task: Any, model: str, metrics: dict[str, float], steps: int, epochs: float,
+                samples: int, plan: Any, world_size: int, strategy: Any, seed: int,
+                wall_time_s: float, samples_per_s: float | None,
+                **extra: Any) -> dict[str, Any]:
+    """The summary's common keys (the task, its test metrics, the batch plan, the run's
+    length and speed, the small-batch reference of the same epochs), then `extra`, then
+    the strategy."""
+    return {
+        "task": task.name,
+        "model": model,
+        **{f"test_{k}": v for k, v in metrics.items()},
+        "metric": task.metric,
+        "steps": steps,
+        "epochs": epochs,
+        "samples": samples,
+        "global_batch_size": plan.global_batch_size,
+        "micro_batch_size": plan.micro_batch_size,
+        "k_steps": plan.k_steps,
+        "world_size": world_size,
+        "optimizer": strategy.optimizer_name(),
+        "peak_lr": plan.peak_lr,
+        "seed": seed,
+        "wall_time_s": wall_time_s,
+        "samples_per_s": samples_per_s,
+        **extra,
+        "reference": (reference(task.recipe(model), epochs, task.metric)
+                      if task.default_options else None),
+        "strategy": strategy.to_dict(),
+    }
