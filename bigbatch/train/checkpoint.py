@@ -39,6 +39,8 @@ CHECKPOINT_FORMAT = 2
 "model"; 2 adds sharded runs, whose payload says "sharded" and whose weights and
 optimizer state are DCP shards beside it (`bigbatch.train.sharded`)."""
 _PAYLOAD_KEYS = ("step", "engine", "sampler", "rng")
+# A parameter-server checkpoint keeps each worker's sampler and RNG inside this entry.
+_PS_PAYLOAD_KEYS = ("step", "engine", "parameter_server")
 
 
 class WriteError(OSError):
@@ -293,6 +295,7 @@ def check_format(ckpt: Any, path: str | os.PathLike) -> None:
     if fmt > CHECKPOINT_FORMAT:
         raise CheckpointError(f"checkpoint {name} has format {fmt}, from a newer bigbatch; "
                               f"this version reads format {CHECKPOINT_FORMAT}")
-    missing = [k for k in _PAYLOAD_KEYS if k not in ckpt]
+    keys = _PS_PAYLOAD_KEYS if "parameter_server" in ckpt else _PAYLOAD_KEYS
+    missing = [k for k in keys if k not in ckpt]
     if missing:
         raise CheckpointError(f"checkpoint {name} is incomplete: no {', '.join(missing)}")
