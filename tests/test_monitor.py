@@ -4,25 +4,12 @@ half-written last line is skipped."""
 import json
 
 import pytest
+from test_elastic_resume import STRATEGY  # the small LARS run with the noise scale on
 
 from bigbatch.cli.main import main
 from bigbatch.config.strategy import Strategy
 from bigbatch.train.monitor import read_run, sparkline
 from bigbatch.train.trainer import TrainConfig, train
-
-STRATEGY = """
-[batch]
-global_batch_size = 64
-base_batch_size = 32
-base_lr = 0.05
-warmup_steps = 2
-
-[lars]
-lars_coeff = 0.01
-
-[adaptive]
-noise_scale = true
-"""
 
 
 @pytest.fixture(scope="module")

@@ -111,23 +111,8 @@ def test_resume_needs_the_same_servers_and_workers():
 
 # ---------------------------------------------------------------- the main job, real ranks
 
-STRATEGY = """
-[batch]
-global_batch_size = 64
-base_batch_size = 32
-base_lr = 0.05
-warmup_steps = 2
-decay = "cosine"
-
-[optimizer]
-type = "momentum"
-weight_decay = 0.0
-
-[lars]
-lars_coeff = 0.01
-exclude_from_weight_decay = ["bn", "bias"]
-"""
-SMALL = {"num_samples": 1000}  # 800 train samples: 12 steps of 64 per epoch
+# The main job's small LARS run of tests/test_train.py: 800 train samples, 12 steps of 64 an epoch.
+from test_train import SMALL, STRATEGY  # noqa: E402
 
 
 def _job(out, overrides, cache, resume_from_step=None, slow=None):
