@@ -278,6 +278,8 @@ def test_closing_line_names_the_small_batch_baseline():
     assert "small-batch baseline: 99.31% at batch 128 (momentum, same epochs)" in line
     assert reference(recipe, 8.0, "accuracy") is None
     assert "no small-batch baseline" in closing_line({**s, "reference": None})
+    ps = {**s, "world_size": 3, "parameter_server": {"servers": 1, "workers": 2}}
+    assert "(LARS, 1 server(s) + 2 worker(s), 40 s)" in closing_line(ps)
 
 
 def test_other_commands_are_dispatched(capsys):

@@ -165,9 +165,11 @@ def closing_line(s: dict[str, Any]) -> str:
     metric = s["metric"]
     value = s[f"test_{metric}"]
     shown = f"{100 * value:.2f}%" if metric == "accuracy" else f"{value:.4f}"
+    ps = s.get("parameter_server")
+    ranks = (f"{ps['servers']} server(s) + {ps['workers']} worker(s)" if ps
+             else f"{s['world_size']} worker(s)")
     line = (f"test {metric} {shown} after {s['epochs']:g} epochs at global batch "
-            f"{s['global_batch_size']} ({s['optimizer']}, {s['world_size']} worker(s), "
-            f"{s['wall_time_s']:.0f} s)")
+            f"{s['global_batch_size']} ({s['optimizer']}, {ranks}, {s['wall_time_s']:.0f} s)")
     ref = s["reference"]
     if ref is not None:
         r = ref[f"test_{metric}"]
