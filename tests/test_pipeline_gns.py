@@ -232,7 +232,6 @@ def test_tracking_and_adascale_are_accepted():
 # ---------------------------------------------------------------- the main job
 
 
-@pytest.mark.slow
 def test_main_job_writes_the_noise_scale(tmp_path):
     from bigbatch.cli.main import main
 

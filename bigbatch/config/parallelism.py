@@ -87,6 +87,13 @@ def degrees(strategy: Any, world_size: int) -> Degrees:
         raise ConfigError(
             f"pipeline.schedule_mode = \"PipeDream\" runs on the pipeline ranks alone; the world "
             f"size {world_size} leaves a data-parallel degree of {data} (use pp_degree = world size)")
+    if strategy.pipeline.enable and data > 1 and strategy.adaptive.active:
+        raise ConfigError(
+            f"{_adaptive_key(strategy.adaptive)} with pipeline.pp_degree={pp} and a "
+            f"data-parallel degree of {data} (world size {world_size}): each stage is then an "
+            "FSDP2 module, which accumulates the micro-batches' gradients in its own unsharded "
+            "copies and reduce-scatters them after the last one, so micro-batch 0's gradient "
+            f"never reaches the parameters; use pp_degree = world size ({world_size})")
     sharding = strategy.sharding
     if not sharding.enable:
         return Degrees(replicate=data, shard=1, tensor=tp, stage=0, pipeline=pp)
@@ -186,3 +193,12 @@ def _check_pipeline_adaptive(strategy: Any) -> None:
             f"{key} with [pipeline]: the pipeline's schedules are built for "
             "pipeline.accumulate_steps micro-batches of one shape, so the batch cannot change "
             'during a run; keep adaptive.noise_scale or adaptive.lr = "adascale"')
+
+
+def _adaptive_key(a: Any) -> str:
+    """The first `[adaptive]` setting that reads the noise scale, as a user writes it."""
+    if a.noise_scale:
+        return "adaptive.noise_scale=true"
+    if a.lr != "none":
+        return f'adaptive.lr="{a.lr}"'
+    return 'adaptive.batch_size="goodput"' if a.goodput else "[adaptive]"
