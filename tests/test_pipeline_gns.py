@@ -247,3 +247,29 @@ def test_main_job_writes_the_noise_scale(tmp_path):
     gns = [r["gns"] for r in rows if "gns" in r]
     assert gns and all(g == g for g in gns) and all(r["gns_biased"] == 0.0
                                                     for r in rows if "gns" in r)
+
+
+def _shared_chunk_worker():
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(4)))
+    model[2].weight = model[0].weight  # stages 0 and 2: both on rank 0 when interleaved
+    s = Strategy.from_dict({"batch": {"global_batch_size": 4, "base_batch_size": 4},
+                            "adaptive": {"noise_scale": True},
+                            "pipeline": {"pp_degree": 2, "accumulate_steps": 2,
+                                         "schedule_mode": "Interleaved1F1B", "virtual_stages": 2,
+                                         "split_points": ["1", "2", "3"]}})
+    try:
+        prepare(model, s, total_steps=1)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_weight_shared_by_two_stages_of_one_rank_is_refused_on_every_rank():
+    """Interleaved, a weight used by two stages of one rank gets micro-batch 0's gradient in
+    two backwards: no first-accumulation hook can see it whole, so every rank refuses."""
+    got = run_workers(_shared_chunk_worker, 2, (), timeout=120, init_group=True)
+    assert all(m is not None and "'0.weight' is used by two stages of one rank" in m
+               and "\n" not in m for m in got), got

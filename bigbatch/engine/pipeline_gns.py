@@ -53,9 +53,9 @@ class PipelineNorms:
         if pipe.shared_across_chunks:
             raise ConfigError(
                 f"[adaptive] with pipeline.virtual_stages={len(pipe.stage_ids)}: "
-                f"{pipe.shared_across_chunks[0]!r} is used by two stages of one rank, so its "
-                "first micro-batch's gradient arrives in two backwards; split elsewhere "
-                "(pipeline.split_points) or track no noise scale")
+                f"the weight {pipe.shared_across_chunks[0]!r} is used by two stages of one "
+                "rank, so its first micro-batch's gradient arrives in two backwards; split "
+                "elsewhere (pipeline.split_points) or track no noise scale")
         self.run = run
         self.preconditioned = preconditioned
         self._groups = param_group_of(run.optimizer)

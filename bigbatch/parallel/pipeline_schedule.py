@@ -66,9 +66,9 @@ class PipelineRunner:
         """(name in `module`, process group of its holders) of this rank's weights tied to
         other ranks' stages; their gradients are summed over the group after backward."""
         self.shared_across_chunks = [name for name, _, stages in ties
-                                     if sum(s % pp == r for s in stages) > 1]
-        """Names of parameters used by more than one of this rank's stages (interleaved):
-        each micro-batch's gradient reaches them in several backwards."""
+                                     if len({s % pp for s in stages}) < len(stages)]
+        """Names of parameters used by two stages of one rank (interleaved; the same on
+        every rank): each micro-batch's gradient reaches them in several backwards."""
         self.first_count: torch.Tensor = torch.zeros((), dtype=torch.float64)
         """Item count of the latest step's first micro-batch where this rank `reports`
         (zero elsewhere): the small batch of the noise scale."""
