@@ -198,10 +198,10 @@ PIPE = {"pipeline": {"pp_degree": 2, "accumulate_steps": 4}}
 
 
 @pytest.mark.parametrize("extra, match", [
-    ({"adaptive": {"batch_size": "goodput"}}, 'adaptive.batch_size = "goodput" with'),
-    ({"adaptive": {"policies": ["goodput"]}}, r'adaptive.policies = \["goodput"\] with'),
+    ({"adaptive": {"batch_size": "goodput"}}, 'adaptive.batch_size="goodput" with'),
+    ({"adaptive": {"policies": ["goodput"]}}, r'adaptive.policies=\["goodput"\] with'),
     ({"adaptive": {"policies": ["noise_scale_doubling"], "max_batch_size": 64}},
-     r'adaptive.policies = \["noise_scale_doubling"\] with'),
+     r'adaptive.policies=\["noise_scale_doubling"\] with'),
     ({"adaptive": {"noise_scale": True},
       "pipeline": {"pp_degree": 2, "accumulate_steps": 4, "schedule_mode": "PipeDream"}},
      'pipeline.schedule_mode = "PipeDream"'),

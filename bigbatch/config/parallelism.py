@@ -184,15 +184,15 @@ def _check_pipeline_adaptive(strategy: Any) -> None:
             '[adaptive] with pipeline.schedule_mode = "PipeDream": its stages update after '
             "every micro-batch, so no step has a big-batch gradient to measure; use "
             '"GPipe", "1F1B" or "Interleaved1F1B"')
-    key = ('adaptive.batch_size = "goodput"' if a.batch_size == "goodput" else
-           'adaptive.policies = ["goodput"]' if "goodput" in a.policies else
-           'adaptive.policies = ["noise_scale_doubling"]'
+    key = ('adaptive.batch_size="goodput"' if a.batch_size == "goodput" else
+           'adaptive.policies=["goodput"]' if "goodput" in a.policies else
+           'adaptive.policies=["noise_scale_doubling"]'
            if "noise_scale_doubling" in a.policies else None)
     if key is not None:
         raise ConfigError(
             f"{key} with [pipeline]: the pipeline's schedules are built for "
             "pipeline.accumulate_steps micro-batches of one shape, so the batch cannot change "
-            'during a run; keep adaptive.noise_scale or adaptive.lr = "adascale"')
+            'during a run; keep adaptive.noise_scale or adaptive.lr="adascale"')
 
 
 def _adaptive_key(a: Any) -> str:

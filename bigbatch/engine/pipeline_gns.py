@@ -17,7 +17,13 @@ A weight tied across stages (charlm's embedding and LM head) gets part of its
 gradient on each holder. Its first micro-batch's gradient is the sum of those
 parts, so each holder keeps a copy of its part, the copies are summed over the
 holders' group (the same group that sums the step's gradient), and only the
-first holder counts it, in both norms.
+first holder counts it, in both norms: one more all-reduce, of the weight's size.
+The step then reads the summed item count on the host once, for the estimator's
+batch sizes, as merged micro-steps with `count=` losses do.
+
+Not covered (refused before launch, `bigbatch.config.parallelism`): a data degree
+above 1, where FSDP2 accumulates the micro-batches in its own unsharded copies, so
+these hooks never fire; tensor parallelism; PipeDream.
 
 Used by `bigbatch.engine.adaptive.attach` for `[pipeline]` runs; the norms go to
 the tracker through `GradInfo` (`local_sq_norm`, `big_sq_norm`).
