@@ -87,6 +87,13 @@ def degrees(strategy: Any, world_size: int) -> Degrees:
         raise ConfigError(
             f"pipeline.schedule_mode = \"PipeDream\" runs on the pipeline ranks alone; the world "
             f"size {world_size} leaves a data-parallel degree of {data} (use pp_degree = world size)")
+    if strategy.pipeline.enable and data > 1 and strategy.adaptive.active:
+        raise ConfigError(
+            f"{_adaptive_key(strategy.adaptive)} with pipeline.pp_degree={pp} and a "
+            f"data-parallel degree of {data} (world size {world_size}): each stage is then an "
+            "FSDP2 module, which accumulates the micro-batches' gradients in its own unsharded "
+            "copies and reduce-scatters them after the last one, so micro-batch 0's gradient "
+            f"never reaches the parameters; use pp_degree = world size ({world_size})")
     sharding = strategy.sharding
     if not sharding.enable:
         return Degrees(replicate=data, shard=1, tensor=tp, stage=0, pipeline=pp)
@@ -125,7 +132,7 @@ def check_parallel_combination(strategy: Any) -> None:
         raise ConfigError(
             f"data_parallel.reduce={reduce!r} with {what}: {how} whole per-worker gradients, "
             "which sharded or sliced gradients are not; use reduce = \"mean\"")
-    if strategy.adaptive.active:
+    if strategy.adaptive.active and (sharded or tp > 1):
         raise ConfigError(
             f"[adaptive] with {what}: the noise scale, AdaScale and goodput need each worker's "
             "whole gradient before it is reduced, which sharded or sliced gradients are not; "
@@ -159,8 +166,39 @@ def _check_pipeline(strategy: Any) -> None:
                           "stages on other ranks, which each stage does not see")
     if strategy.sharding.enable and strategy.sharding.stage == 1:
         raise ConfigError("sharding.stage=1 with [pipeline] is not supported; use stage 2 or 3")
+    if strategy.adaptive.active:
+        _check_pipeline_adaptive(strategy)
     if pipe.schedule_mode == "PipeDream" and (
             strategy.sharding.enable or strategy.tensor_parallel.tensor_parallel_degree > 1
             or strategy.amp.enable):
         raise ConfigError('pipeline.schedule_mode = "PipeDream" runs alone: without [sharding], '
                           "tensor parallelism or [amp]")
+
+
+def _check_pipeline_adaptive(strategy: Any) -> None:
+    """A pipeline tracks the noise scale (micro-batch 0 against the step) and takes AdaScale's
+    gain; it cannot change its batch."""
+    a = strategy.adaptive
+    if strategy.pipeline.schedule_mode == "PipeDream":
+        raise ConfigError(
+            '[adaptive] with pipeline.schedule_mode = "PipeDream": its stages update after '
+            "every micro-batch, so no step has a big-batch gradient to measure; use "
+            '"GPipe", "1F1B" or "Interleaved1F1B"')
+    key = ('adaptive.batch_size="goodput"' if a.batch_size == "goodput" else
+           'adaptive.policies=["goodput"]' if "goodput" in a.policies else
+           'adaptive.policies=["noise_scale_doubling"]'
+           if "noise_scale_doubling" in a.policies else None)
+    if key is not None:
+        raise ConfigError(
+            f"{key} with [pipeline]: the pipeline's schedules are built for "
+            "pipeline.accumulate_steps micro-batches of one shape, so the batch cannot change "
+            'during a run; keep adaptive.noise_scale or adaptive.lr="adascale"')
+
+
+def _adaptive_key(a: Any) -> str:
+    """The first `[adaptive]` setting that reads the noise scale, as a user writes it."""
+    if a.noise_scale:
+        return "adaptive.noise_scale=true"
+    if a.lr != "none":
+        return f'adaptive.lr="{a.lr}"'
+    return 'adaptive.batch_size="goodput"' if a.goodput else "[adaptive]"

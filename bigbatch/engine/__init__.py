@@ -68,6 +68,9 @@ Training length and the `[adaptive]` section (glue in `bigbatch.engine.adaptive`
 - ``noise_scale = true`` (implied by adascale and goodput): `run.stats` gains
   ``gns`` (B_simple = tr(Sigma)/|G|^2, in items), ``gns_stderr``, ``gns_sq_norm``,
   ``gns_trace`` and ``gns_biased``; the tracker is `run.adaptive.tracker`.
+  Under `[pipeline]` the small batch is the step's first micro-batch and the big one
+  the step, both summed over the stages (`bigbatch.engine.pipeline_gns`); AdaScale
+  works there, batch changes do not (a ConfigError).
 - ``batch_size = "goodput"``: every `interval_steps` the engine may change the
   batch; it then replaces `run.plan` (and `run.k_steps`) *between* optimizer
   steps, right after the step that decided, and appends

@@ -12,6 +12,8 @@ Where the two squared norms of a step come from (only scalars cross the network)
 - several workers: each worker's gradient before the all-reduce (measured in
   the engine's DDP comm hook, one scalar all-reduce) vs the reduced gradient;
 - one worker with gradient merge: the first micro-step vs the merged gradient;
+- a pipeline: the first micro-batch vs the step, each summed over the stages
+  (`bigbatch.engine.pipeline_gns`; one scalar all-reduce over the pipeline);
 - one worker, no merge: two consecutive steps (`ConsecutiveSteps`), marked biased.
 
 With ``optimizer.type = "adamw"`` (AdamW, LAMB) every norm is of the
@@ -181,7 +183,9 @@ class Adaptive:
         opt_factor = 1.0 if run.avg else float(run.k_steps)  # avg=false grads are k x the mean
         if info.has_local_sq_norm:
             self._source(biased=False)
-            if self.preconditioned:
+            if info.big_sq_norm is not None:  # a pipeline's: summed over its stages
+                big = info.big_sq_norm
+            elif self.preconditioned:
                 big = sq_norm(preconditioned_grads(run.optimizer, info.params,
                                                    [p.grad for p in info.params]))
             else:
@@ -336,7 +340,12 @@ def attach(run: RunLike) -> Adaptive:
     """Build the controller for `run.strategy.adaptive` and register its hooks on `run`
     (goodput's step runs as the ``goodput`` policy, `bigbatch.engine.policies`)."""
     ctl = Adaptive(run)
-    install_local_norms(run, ctl.preconditioned)
+    if run.pipeline is not None:  # micro-batch 0 against the step, summed over the stages
+        from bigbatch.engine.pipeline_gns import PipelineNorms
+
+        run.pipeline_norms = PipelineNorms(run, ctl.preconditioned)
+    else:
+        install_local_norms(run, ctl.preconditioned)
     run.grad_hooks.insert(0, ctl.on_grads)  # first: AdaScale sets this step's LR scale
     if ctl.tuner is not None:
         run.sync_timing = True

@@ -19,7 +19,7 @@ from bigbatch.parallel.world import all_reduce_sum
 if TYPE_CHECKING:
     from bigbatch.engine.protocol import RunLike
 
-__all__ = ["GradInfo", "small_batch_sq_norm", "sq_norm"]
+__all__ = ["GradInfo", "grad_info", "small_batch_sq_norm", "sq_norm"]
 
 
 def sq_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -45,7 +45,8 @@ class GradInfo:
 
     def __init__(self, run: RunLike, params: list[torch.Tensor], local_sq_norm: torch.Tensor | None,
                  local_batch: float | None, global_batch: float,
-                 pending: tuple[Any, float] | None = None) -> None:
+                 pending: tuple[Any, float] | None = None,
+                 big_sq_norm: torch.Tensor | None = None) -> None:
         self.run = run
         self.step = run.step
         """Optimizer step about to be taken (0-based)."""
@@ -57,6 +58,10 @@ class GradInfo:
         """Items behind the small-batch gradient (mean over workers); None with no norm."""
         self.global_batch = global_batch
         """Items behind the reduced gradient."""
+        self.big_sq_norm = big_sq_norm
+        """The big-batch norm to pair with `local_sq_norm`, where the collector measured it
+        (a pipeline: the whole model's, summed over stages, preconditioned as the small one);
+        None: take it from `params` (`global_sq_norm`)."""
         self._global_sq: torch.Tensor | None = None
 
     @property
@@ -90,6 +95,17 @@ class GradInfo:
         if self._global_sq is None:
             self._global_sq = sq_norm(self.grads())
         return self._global_sq
+
+
+def grad_info(run: RunLike, local_raw: torch.Tensor | None, local_count: Any,
+              total_count: Any) -> GradInfo:
+    """This step's `GradInfo`: from a pipeline's collector (`run.pipeline_norms`,
+    `bigbatch.engine.pipeline_gns`), else from `small_batch_sq_norm`."""
+    if run.pipeline_norms is not None:
+        return run.pipeline_norms.grad_info(local_count, total_count)
+    local_sq, local_batch, global_batch, pending = small_batch_sq_norm(
+        run, local_raw, local_count, total_count)
+    return GradInfo(run, run._params, local_sq, local_batch, global_batch, pending)
 
 
 def small_batch_sq_norm(run: RunLike, local_raw: torch.Tensor | None, local_count: Any,

@@ -20,14 +20,18 @@ if TYPE_CHECKING:
 
 
 def preconditioned_grads(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
-                         grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+                         grads: Sequence[torch.Tensor | None],
+                         group_of: dict[int, dict[str, Any]] | None = None) -> list[torch.Tensor]:
     """``g / (sqrt(v_hat) + eps)`` per tensor, as `bigbatch.adaptive.gns.adam_sq_norm` measures it.
 
     New tensors in the order of `params` (None gradients skipped); parameters
     without Adam state yet stay unpreconditioned. A fixed number of
-    (multi-tensor) ops whatever the parameter count, and no host sync.
+    (multi-tensor) ops whatever the parameter count, and no host sync. `group_of` (id of
+    a parameter -> its param group; default: built from `optimizer`) saves rebuilding that
+    map when called per parameter.
     """
-    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    if group_of is None:
+        group_of = param_group_of(optimizer)
     out: list[torch.Tensor | None] = []
     at, gs, vs, epss, betas, steps = [], [], [], [], [], []
     for p, g in zip(params, grads, strict=True):
@@ -64,7 +68,12 @@ def preconditioned_grads(optimizer: torch.optim.Optimizer, params: Sequence[torc
     return out  # type: ignore[return-value]
 
 
-def _tensor_sq_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def param_group_of(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+    """id of each parameter -> its param group."""
+    return {id(p): g for g in optimizer.param_groups for p in g["params"]}
+
+
+def tensor_sq_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Squared norm of each tensor as one float64 vector (a few ops, any dtypes)."""
     acc = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
     norms = torch._foreach_norm(list(tensors), 2, dtype=acc)
@@ -99,7 +108,7 @@ def install_local_norms(run: RunLike, preconditioned: bool) -> None:
         if key not in where:
             where[key] = torch.tensor(key, dtype=torch.long, device=slots.device)
         pre = preconditioned_grads(opt, params, grads) if preconditioned else grads
-        slots.index_copy_(0, where[key], _tensor_sq_norms(pre))
+        slots.index_copy_(0, where[key], tensor_sq_norms(pre))
         comm.local_sq = slots.sum()
         return inner(inner_state, bucket)
 

@@ -41,7 +41,8 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
     is created from `data_parallel` unless one exists. `track_stats` records the
     grad norm and trust ratios for `run.stats`. `local_grad_norm` measures each
     worker's pre-all-reduce gradient norm for grad hooks (scalars only; default:
-    on when `[adaptive]` needs the noise scale). With `[adaptive]` active the run
+    on when `[adaptive]` needs the noise scale; a pipeline measures its first
+    micro-batch whenever `[adaptive]` is active). With `[adaptive]` active the run
     gets `run.adaptive` (see the module docstring for training length and the
     adaptive-batch loader contract). `plan` replaces `strategy.resolve(data_degree)`, e.g.
     `bigbatch.config.elastic.resume_plan(...)` for a checkpoint from another world size.

@@ -28,6 +28,7 @@ class RunLike(Protocol):
     world: Any
     mesh: Any
     pipeline: Any
+    pipeline_norms: Any
     plan: Any
     strategy: Any
     scaler: Any

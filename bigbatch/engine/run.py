@@ -18,7 +18,7 @@ from bigbatch.config.schedules import warmup_start_lr
 from bigbatch.engine import adaptive as _adaptive
 from bigbatch.engine import state as _run_state
 from bigbatch.engine.amp import LossScaler
-from bigbatch.engine.grad_info import GradInfo, small_batch_sq_norm, sq_norm
+from bigbatch.engine.grad_info import GradInfo, grad_info, sq_norm
 from bigbatch.engine.micro_step import MicroStep
 from bigbatch.optim._norms import local
 from bigbatch.parallel.data_parallel import CommState
@@ -123,6 +123,8 @@ class Run:
         self._loss_parallel = loss_parallel
         self.pipeline = pipeline
         """`PipelineRunner` of `[pipeline]` runs (drive them with `pipeline_step`), else None."""
+        self.pipeline_norms: Any = None
+        """A pipeline's noise-scale norms (`bigbatch.engine.pipeline_gns`), None elsewhere."""
         if pipeline is not None:
             self._fsdp = None  # torch's pipeline stages switch FSDP2's gradient sync
         self._comm = comm
@@ -363,9 +365,7 @@ class Run:
 
     def _run_hooks(self, local_raw: torch.Tensor | None, local_count: float,
                    total_count: float) -> GradInfo:
-        local_sq, local_batch, global_batch, pending = small_batch_sq_norm(
-            self, local_raw, local_count, total_count)
-        info = GradInfo(self, self._params, local_sq, local_batch, global_batch, pending)
+        info = grad_info(self, local_raw, local_count, total_count)
         for hook in self.grad_hooks:
             hook(info)
         return info

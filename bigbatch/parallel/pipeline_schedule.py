@@ -62,7 +62,16 @@ class PipelineRunner:
             [Chunk(self.module, [layers[i] for i in ranges[s]]) for s in self.stage_ids])
         self.is_first = 0 in self.stage_ids
         self.is_last = self.num_stages - 1 in self.stage_ids
-        self._tied = self._tie_groups(ties)
+        self.tied = self._tie_groups(ties)
+        """(name in `module`, process group of its holders) of this rank's weights tied to
+        other ranks' stages; their gradients are summed over the group after backward."""
+        self.shared_across_chunks = [name for name, _, stages in ties
+                                     if len({s % pp for s in stages}) < len(stages)]
+        """Names of parameters used by two stages of one rank (interleaved; the same on
+        every rank): each micro-batch's gradient reaches them in several backwards."""
+        self.first_count: torch.Tensor = torch.zeros((), dtype=torch.float64)
+        """Item count of the latest step's first micro-batch where this rank `reports`
+        (zero elsewhere): the small batch of the noise scale."""
         self._loss: LossFn | None = None
         self._schedule: Any = None
         self._eval: Any = None
@@ -200,15 +209,17 @@ class PipelineRunner:
                 self._schedule.step()
         finally:
             self._loss = None
-        for name, group in self._tied:
+        for name, group in self.tied:
             grad = self.module.get_parameter(name).grad
             if grad is not None:
                 dist.all_reduce(_local(grad), group=group)
         chosen = list(parts.values()) if self.asynchronous else [parts[id(x)] for x in used]
         if not self.reports or not chosen:
             zero = torch.zeros((), dtype=torch.float64)
+            self.first_count = zero.clone()
             return zero, zero.clone()
         sums, counts = zip(*chosen, strict=True)
+        self.first_count = counts[0]  # the schedules' losses come in micro-batch order
         return torch.stack(sums).sum(), torch.stack(counts).sum()
 
     @torch.no_grad()

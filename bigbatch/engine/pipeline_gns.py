@@ -1,0 +1,146 @@
+"""The noise scale's two gradient norms in a pipeline-parallel step.
+
+Small batch: the step's first micro-batch; big batch: the whole step (all
+``accumulate_steps`` micro-batches). Each stage sees its own parameters only,
+so each measures its part of both squared norms and one all-reduce of three
+scalars over the pipeline group (small, big, the first micro-batch's item
+count, known on the last stage) gives the whole model's.
+
+The first micro-batch's gradient is what reaches a parameter first in a step:
+torch's GPipe, 1F1B and interleaved 1F1B schedules run each stage's backwards in
+micro-batch order, and the engine leaves every ``.grad`` None between steps. A
+hook on each parameter (`Tensor.register_hook`, before accumulation) therefore
+takes the squared norm of the incoming gradient when ``.grad`` is still None:
+one 0-d tensor op per parameter per step, no copy, no host sync.
+
+A weight tied across stages (charlm's embedding and LM head) gets part of its
+gradient on each holder. Its first micro-batch's gradient is the sum of those
+parts, so each holder keeps a copy of its part, the copies are summed over the
+holders' group (the same group that sums the step's gradient), and only the
+first holder counts it, in both norms: one more all-reduce, of the weight's size.
+The step then reads the summed item count on the host once, for the estimator's
+batch sizes, as merged micro-steps with `count=` losses do.
+
+Not covered (refused before launch, `bigbatch.config.parallelism`): a data degree
+above 1, where FSDP2 accumulates the micro-batches in its own unsharded copies, so
+these hooks never fire; tensor parallelism; PipeDream.
+
+Used by `bigbatch.engine.adaptive.attach` for `[pipeline]` runs; the norms go to
+the tracker through `GradInfo` (`local_sq_norm`, `big_sq_norm`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from bigbatch.engine.grad_info import GradInfo
+from bigbatch.engine.local_norms import param_group_of, preconditioned_grads, tensor_sq_norms
+from bigbatch.errors import ConfigError
+
+if TYPE_CHECKING:
+    from bigbatch.engine.protocol import RunLike
+
+__all__ = ["PipelineNorms"]
+
+
+class PipelineNorms:
+    """Collects, on each stage, micro-batch 0's and the step's squared gradient norms and
+    sums them over the pipeline. `grad_info` builds the step's `GradInfo`.
+
+    `preconditioned`: norms of ``g / (sqrt(v_hat) + eps)`` (AdamW, LAMB), as
+    `bigbatch.engine.adaptive.Adaptive` measures them elsewhere.
+    """
+
+    def __init__(self, run: RunLike, preconditioned: bool) -> None:
+        pipe = run.pipeline
+        if pipe.shared_across_chunks:
+            raise ConfigError(
+                f"[adaptive] with pipeline.virtual_stages={len(pipe.stage_ids)}: "
+                f"the weight {pipe.shared_across_chunks[0]!r} is used by two stages of one "
+                "rank, so its first micro-batch's gradient arrives in two backwards; split "
+                "elsewhere (pipeline.split_points) or track no noise scale")
+        self.run = run
+        self.preconditioned = preconditioned
+        self._groups = param_group_of(run.optimizer)
+        device = run.world.device
+        rank = dist.get_rank()
+        tied = {name: group for name, group in pipe.tied}
+        named = dict(run.module.named_parameters())
+        self._tied: list[tuple[torch.Tensor, Any, bool]] = []
+        """(parameter, its holders' group, whether this rank counts it)."""
+        self._first_tied: dict[int, torch.Tensor] = {}
+        self._counted: list[torch.Tensor] = []
+        self._slot: dict[int, int] = {}
+        for name, p in named.items():
+            if not p.requires_grad:
+                continue
+            if name in tied:
+                group = tied[name]
+                counts = rank == min(dist.get_process_group_ranks(group))
+                self._tied.append((p, group, counts))
+                p.register_hook(self._keeper(p))
+            else:
+                self._slot[id(p)] = len(self._counted)
+                self._counted.append(p)
+                p.register_hook(self._measurer(p))
+        self._first = torch.zeros(len(self._counted), dtype=torch.float64, device=device)
+
+    def _measurer(self, p: torch.Tensor) -> Any:
+        i = self._slot[id(p)]
+
+        def hook(grad: torch.Tensor) -> None:
+            if p.grad is None:  # the step's first backward through `p`: micro-batch 0
+                self._first[i] = self._sq_norms([p], [grad]).sum()
+
+        return hook
+
+    def _keeper(self, p: torch.Tensor) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            if p.grad is None:
+                self._first_tied[id(p)] = grad.detach().clone()
+
+        return hook
+
+    def _sq_norms(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> torch.Tensor:
+        grads = [g.detach() for g in grads]
+        if self.preconditioned:
+            grads = preconditioned_grads(self.run.optimizer, params, grads, self._groups)
+        return tensor_sq_norms(grads)
+
+    def _local_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This stage's (micro-batch 0, step) squared norms; the tied weights' counted once."""
+        small = self._first.sum()
+        self._first.zero_()  # a parameter with no gradient next step adds nothing
+        params = [p for p in self._counted if p.grad is not None]
+        params += [p for p, _, counts in self._tied if counts and p.grad is not None]
+        big = (self._sq_norms(params, [p.grad for p in params]).sum() if params
+               else torch.zeros((), dtype=torch.float64, device=small.device))
+        first, self._first_tied = self._first_tied, {}
+        for p, group, counts in self._tied:
+            part = first.get(id(p))
+            if part is None:
+                part = torch.zeros_like(p)
+            dist.all_reduce(part, group=group)
+            if counts:
+                small = small + self._sq_norms([p], [part]).sum()
+        return small, big
+
+    def grad_info(self, local_count: Any, total_count: Any) -> GradInfo:
+        """The step's `GradInfo` (pipeline runs count items: `run._mode == "count"`), with
+        the whole model's norms, in the optimizer gradient's units: the mean gradient of
+        micro-batch 0's items and of the step's (times k when ``avg = false``)."""
+        run = self.run
+        small, big = self._local_sums()
+        count = run.pipeline.first_count.to(small.device, torch.float64)
+        sums = torch.stack([small, big, count])
+        dist.all_reduce(sums, group=run.mesh.pp_group)
+        small, big, count = sums.unbind()
+        first = float(count)
+        scale = run.scaler.scale_value if run.scaler is not None else 1.0
+        opt_factor = 1.0 if run.avg else float(run.k_steps)
+        unit = scale * run._count_mult * first / opt_factor
+        return GradInfo(run, run._params, small / (unit * unit), first, float(total_count),
+                        big_sq_norm=big)
