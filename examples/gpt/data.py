@@ -97,6 +97,15 @@ class CharCorpus:
         pick = torch.randint(len(self.train.starts), (n,), generator=generator)
         return self.train.blocks(self.train.starts[pick], block_size)
 
+    def ragged_blocks(self, n: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`n` training blocks that end 0 to `block_size` + 3 characters before a file's
+        end, so they hold anything from no target to a full block: the uneven batches on
+        which a merged step is checked against the big-batch step."""
+        ends = self.train.file_end.unique()
+        i = torch.arange(n)
+        starts = ends[i % len(ends)] - 1 - (3 * i) % (block_size + 4)
+        return self.train.blocks(starts, block_size)
+
     def val_blocks(self, n: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`n` validation blocks, the same every call: evenly spaced over the split."""
         starts = self.val.starts[torch.linspace(0, len(self.val.starts) - 1, n).long()]

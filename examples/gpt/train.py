@@ -193,6 +193,43 @@ def find_lr(strategy: bigbatch.Strategy, corpus: CharCorpus, *, steps: int, lr_m
     return result
 
 
+def check_merge(strategy: bigbatch.Strategy, corpus: CharCorpus, *, k: int = 4, steps: int = 3,
+                seed: int = 0, model_cfg: dict | None = None) -> dict[str, float]:
+    """The largest weight difference, after `steps` steps in float64 on blocks of uneven
+    token counts, between one micro-step of the whole global batch and `k` merged
+    micro-steps: with summed losses and counts (`train_step`), and with each
+    micro-batch's mean loss, the habit a nanoGPT loop brings along. One process."""
+    g = strategy.resolve(1).global_batch_size
+    if g % k:
+        raise ValueError(f"--check-merge: global batch {g} is not a multiple of k={k}")
+    block = GPTConfig(vocab_size=1, **(model_cfg or {})).block_size
+    x, y = corpus.ragged_blocks(g * steps, block)
+    models = {}
+    for name, micro in (("whole", g), ("count", g // k), ("mean", g // k)):
+        s = strategy.with_overrides([f"batch.micro_batch_size={micro}", "batch.warmup_steps=0"])
+        run = build(s, corpus, steps, seed, model_cfg, dtype=torch.float64)
+        for i in range(steps):
+            batch = list(zip(x[i * g:(i + 1) * g].split(micro), y[i * g:(i + 1) * g].split(micro),
+                             strict=True))
+            if name != "mean":
+                train_step(run, batch)
+                continue
+            for xb, yb in batch:
+                with run.micro_step() as ms:
+                    ms.backward(F.cross_entropy(run.model(xb).flatten(0, 1), yb.flatten(),
+                                                ignore_index=IGNORE_INDEX))
+        models[name] = run.module
+
+    def gap(a: torch.nn.Module, b: torch.nn.Module) -> float:
+        return max(float((p - q).detach().abs().max())
+                   for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+    counts = (y[:g] != IGNORE_INDEX).view(k, -1).sum(1)
+    return {"count": gap(models["count"], models["whole"]),
+            "mean": gap(models["mean"], models["whole"]),
+            "min_tokens": int(counts.min()), "max_tokens": int(counts.max())}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -213,6 +250,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--check-merge", type=int, metavar="K",
+                   help="compare K merged micro-steps with one big-batch step and exit")
     p.add_argument("--lr-find", action="store_true",
                    help="run the LR range test at the config's global batch and exit")
     p.add_argument("--lr-find-steps", type=int, default=100)
@@ -228,6 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     model_cfg = {"block_size": args.block_size, "n_layer": args.n_layer,
                  "n_head": args.n_head, "n_embd": args.n_embd}
     is_main = int(os.environ.get("RANK", "0")) == 0  # torchrun's; one process: rank 0
+    if args.check_merge:
+        r = check_merge(strategy, corpus, k=args.check_merge, model_cfg=model_cfg)
+        print(f"{args.check_merge} merged micro-steps of {r['min_tokens']} to {r['max_tokens']} "
+              f"tokens vs one step on the whole batch, float64, 3 steps: largest weight "
+              f"difference {r['count']:.2g} with ms.backward(sum, count=n), {r['mean']:.2g} "
+              f"with each micro-batch's mean loss")
+        return 0
     if args.lr_find:
         r = find_lr(strategy, corpus, steps=args.lr_find_steps, lr_min=args.lr_min,
                     lr_max=args.lr_max, seed=args.seed, model_cfg=model_cfg, out=args.out)
