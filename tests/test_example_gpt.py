@@ -38,9 +38,9 @@ def _strategy(name: str, *overrides: str):
 ])
 def test_a_few_steps_of_each_config_lower_the_loss(corpus, one_thread, name, overrides):
     s = _strategy(name, *overrides)
-    r = gpt.train(s, corpus, steps=15, model_cfg=TINY, eval_blocks=32, log=lambda *a: None)
-    assert r["steps"] == 15
-    assert 0 < r["tokens"] <= r["positions"] == 15 * s.resolve(1).global_batch_size * 16
+    r = gpt.train(s, corpus, steps=30, model_cfg=TINY, eval_blocks=32, log=lambda *a: None)
+    assert r["steps"] == 30
+    assert 0 < r["tokens"] <= r["positions"] == 30 * s.resolve(1).global_batch_size * 16
     assert torch.isfinite(torch.tensor(r["val_loss"]))
     # From about ln(vocab) ~ 4.6 nats at initialisation.
     assert r["val_loss"] < r["first_loss"] - 0.5, r
@@ -152,3 +152,25 @@ def test_workers_split_the_global_batch_without_overlap(corpus):
 
     one = shares(1, 24)
     assert torch.equal(shares(2, 4), one) and torch.equal(shares(3, 2), one)
+
+
+def _train_tiny(steps: int) -> dict:
+    """The example's loop for `steps` LAMB steps of 32 sequences; the final weights."""
+    corpus = CharCorpus(max_chars=300_000)
+    s = _strategy("lamb_16x", "batch.global_batch_size=32", "batch.micro_batch_size=8")
+    run = gpt.build(s, corpus, steps, seed=0, model_cfg=TINY)
+    data = gpt.batches(corpus, run, seed=0)
+    while not run.done:
+        gpt.train_step(run, next(data))
+    weights = {k: v.detach().clone() for k, v in run.module.state_dict().items()}
+    run.close()
+    return weights
+
+
+def test_two_workers_equal_one(one_thread):
+    from _dist import run_workers
+
+    one = _train_tiny(4)
+    for two in run_workers(_train_tiny, world_size=2, args=(4,), timeout=120):
+        for k in one:
+            torch.testing.assert_close(two[k], one[k], rtol=1e-5, atol=1e-5)

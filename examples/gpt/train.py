@@ -13,6 +13,7 @@ DDP and `no_sync`, autocast, clipping and the LR schedule; the loop keeps the da
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -208,6 +209,7 @@ def check_merge(strategy: bigbatch.Strategy, corpus: CharCorpus, *, k: int = 4, 
     for name, micro in (("whole", g), ("count", g // k), ("mean", g // k)):
         s = strategy.with_overrides([f"batch.micro_batch_size={micro}", "batch.warmup_steps=0"])
         run = build(s, corpus, steps, seed, model_cfg, dtype=torch.float64)
+        models.setdefault("start", copy.deepcopy(run.module))
         for i in range(steps):
             batch = list(zip(x[i * g:(i + 1) * g].split(micro), y[i * g:(i + 1) * g].split(micro),
                              strict=True))
@@ -227,6 +229,7 @@ def check_merge(strategy: bigbatch.Strategy, corpus: CharCorpus, *, k: int = 4, 
     counts = (y[:g] != IGNORE_INDEX).view(k, -1).sum(1)
     return {"count": gap(models["count"], models["whole"]),
             "mean": gap(models["mean"], models["whole"]),
+            "moved": gap(models["whole"], models["start"]),
             "min_tokens": int(counts.min()), "max_tokens": int(counts.max())}
 
 
@@ -272,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.check_merge} merged micro-steps of {r['min_tokens']} to {r['max_tokens']} "
               f"tokens vs one step on the whole batch, float64, 3 steps: largest weight "
               f"difference {r['count']:.2g} with ms.backward(sum, count=n), {r['mean']:.2g} "
-              f"with each micro-batch's mean loss")
+              f"with each micro-batch's mean loss (the steps moved weights by up to "
+              f"{r['moved']:.2g})")
         return 0
     if args.lr_find:
         r = find_lr(strategy, corpus, steps=args.lr_find_steps, lr_min=args.lr_min,
