@@ -60,3 +60,31 @@ def test_bad_sweeps_are_refused_in_one_line(argv, message, tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "o").exists()
+
+
+def _sweep_on_two_workers() -> dict:
+    """Rank 1's own loss is 5x rank 0's: alone it would pass 4x its best sooner."""
+    import os
+
+    rank = int(os.environ["RANK"])
+    run = prepare(make_model(), strategy("sgd", global_batch=256), total_steps=60)
+    x, y = make_data(steps=60)
+
+    def step(run, i):
+        rows = slice(rank * 128, (rank + 1) * 128)
+        with run.micro_step() as ms:
+            loss = F.cross_entropy(run.model(x[i, rows]), y[i, rows])
+            ms.backward(loss)
+        return float(loss.detach()) * (5.0 if rank == 1 else 1.0) + (0.5 if rank == 1 else 0.0)
+
+    batches = range(60 if rank == 0 else 40)  # rank 1 runs out of data first
+    result = lr_find(run, batches, step, lr_min=1e-4, lr_max=1e3, steps=60)
+    return {"lrs": result.lrs, "losses": result.losses}
+
+
+def test_workers_sweep_in_step_on_the_mean_loss():
+    from _dist import run_workers
+
+    one, two = run_workers(_sweep_on_two_workers, world_size=2, timeout=120)
+    assert one["lrs"] == two["lrs"] and one["losses"] == two["losses"]  # same steps, same loss
+    assert len(one["lrs"]) <= 40  # rank 1 had 40 batches: nobody waited on it for a 41st

@@ -32,6 +32,9 @@ def add_lr_find_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                         help="first LR (default 1e-5)")
     parser.add_argument("--max", dest="lr_max", type=float, default=10.0,
                         help="last LR (default 10)")
+    parser.add_argument("--smoothing", type=float, default=0.98,
+                        help="weight of the past in the loss's moving average, in [0, 1) "
+                        "(default 0.98; lower follows a short sweep more closely)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--out", default="runs/lr-find", help="output folder "
                         "(default runs/lr-find)")
@@ -45,6 +48,8 @@ def _check(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if not (math.isfinite(value) and value > 0):
             raise ConfigError(f"--{name[3:]}={value} is out of range; allowed: > 0, finite")
+    if not 0 <= args.smoothing < 1:
+        raise ConfigError(f"--smoothing={args.smoothing} is out of range; allowed: [0, 1)")
     if args.lr_min >= args.lr_max:
         raise ConfigError(f"--min={args.lr_min} must be below --max={args.lr_max}")
     if not 0 <= args.seed < 2**31:
@@ -100,7 +105,7 @@ def run_lr_find_command(args: argparse.Namespace) -> int:
 
     with torch.random.fork_rng():
         result = lr_find(run, batches(), one_step, lr_min=args.lr_min, lr_max=args.lr_max,
-                         steps=args.steps)
+                         steps=args.steps, smoothing=args.smoothing)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "lr_find.json").write_text(json.dumps(

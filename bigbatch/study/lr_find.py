@@ -7,7 +7,9 @@ growing exponentially from `lr_min` to `lr_max`, smooths the loss (an exponentia
 average with bias correction), stops once it diverges (4x its best), and suggests the
 LR where the smoothed loss falls fastest against log LR, before divergence. From the
 recipe's base batch and LR it says which scaling rule that LR implies:
-``lr = base_lr x scale^e`` with e = 1 linear, 0.5 square root.
+``lr = base_lr x scale^e`` with e = 1 linear, 0.5 square root. That comparison means
+something only when `[batch] base_lr` is the same optimizer's small-batch LR (LAMB's
+LR is not AdamW's); at the base batch itself the suggestion is the base LR.
 
 It trains the run's model: rebuild (or reload) the model before the real run.
 """
@@ -18,6 +20,9 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 __all__ = ["LRFind", "lr_find", "plot_lr_find"]
 
@@ -59,6 +64,8 @@ class LRFind:
             text += (f" = base_lr {self.base_lr:g} x ({self.global_batch_size}/"
                      f"{self.base_batch_size})^{self.exponent:.2f}: closest rule "
                      f"\"{self.rule}\"")
+        elif self.global_batch_size == self.base_batch_size:
+            text += " (the base batch: set batch.base_lr to it)"
         if self.diverged_at is not None:
             text += f"; diverged at {self.diverged_at:.3g}"
         return text
@@ -72,7 +79,8 @@ def lr_find(run: Any, batches: Iterable[Any],
     `batches` yields one optimizer step's data each; `step(run, batch)` runs that step's
     micro-steps (``with run.micro_step() as ms: ... ms.backward(...)``) and returns its
     loss as a float. The LR of step i is ``lr_min x (lr_max / lr_min)^(i / (steps - 1))``,
-    whatever the run's schedule says.
+    whatever the run's schedule says. With several workers, each step's loss is the
+    workers' mean (return this worker's own) and all stop at the same step.
     """
     if not 0 < lr_min < lr_max:
         raise ValueError(f"lr_find: need 0 < lr_min < lr_max, got {lr_min}, {lr_max}")
@@ -86,11 +94,13 @@ def lr_find(run: Any, batches: Iterable[Any],
         lr = lr_min * (lr_max / lr_min) ** (i / (steps - 1))
         base = run.schedule.lr(run.progress)
         run.lr_scale = lr / base if base > 0 else 0.0
-        try:
-            batch = next(it)
-        except StopIteration:
+        batch = next(it, _END)
+        # Every worker must take the same number of steps (each step's collectives wait
+        # for all) and see the same loss, or one stops at a divergence another did not see.
+        has_batch, _ = _over_workers(run, batch is not _END, 0.0)
+        if not has_batch:
             break
-        loss = float(step(run, batch))
+        _, loss = _over_workers(run, True, float(step(run, batch)))
         if not math.isfinite(loss):
             out.diverged_at = lr
             break
@@ -109,6 +119,19 @@ def lr_find(run: Any, batches: Iterable[Any],
     if out.suggested_lr is not None and scale != 1:
         out.exponent = math.log(out.suggested_lr / b.base_lr) / math.log(scale)
     return out
+
+
+_END = object()
+
+
+def _over_workers(run: Any, flag: bool, value: float) -> tuple[bool, float]:
+    """(`flag` on every worker, the workers' mean of `value`); as given with one worker."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag, value
+    t = torch.tensor([float(flag), value], dtype=torch.float64, device=run.world.device)
+    dist.all_reduce(t)
+    n = dist.get_world_size()
+    return bool(t[0].item() == n), float(t[1].item()) / n
 
 
 def _steepest(lrs: list[float], smoothed: list[float]) -> float | None:
