@@ -22,7 +22,7 @@ from bigbatch.train.nonfinite import NonFiniteLossError
 from bigbatch.train.trainer import TrainConfig, train
 from tests._cli import children
 
-T = importlib.import_module("bigbatch.train.trainer")  # the module (bigbatch.train.trainer is also a function)
+T = importlib.import_module("bigbatch.train.plan")  # where the main job builds its task
 
 SMALL = {"num_samples": 1000}  # 800 train samples: 12 steps of 64 per epoch
 STRATEGY = """
