@@ -43,7 +43,18 @@ from bigbatch.errors import ConfigError
 if TYPE_CHECKING:
     from bigbatch.engine.protocol import RunLike
 
-__all__ = ["PipelineNorms"]
+__all__ = ["PipelineNorms", "check_measurable"]
+
+
+def check_measurable(pipe: Any) -> None:
+    """A ConfigError, on every rank, when a weight is used by two stages of one rank
+    (interleaved): its first micro-batch's gradient arrives in two backwards."""
+    if pipe.shared_across_chunks:
+        raise ConfigError(
+            f"[adaptive] with pipeline.virtual_stages={len(pipe.stage_ids)}: "
+            f"the weight {pipe.shared_across_chunks[0]!r} is used by two stages of one "
+            "rank, so its first micro-batch's gradient arrives in two backwards; split "
+            "elsewhere (pipeline.split_points) or track no noise scale")
 
 
 class PipelineNorms:
@@ -55,13 +66,8 @@ class PipelineNorms:
     """
 
     def __init__(self, run: RunLike, preconditioned: bool) -> None:
+        check_measurable(run.pipeline)
         pipe = run.pipeline
-        if pipe.shared_across_chunks:
-            raise ConfigError(
-                f"[adaptive] with pipeline.virtual_stages={len(pipe.stage_ids)}: "
-                f"the weight {pipe.shared_across_chunks[0]!r} is used by two stages of one "
-                "rank, so its first micro-batch's gradient arrives in two backwards; split "
-                "elsewhere (pipeline.split_points) or track no noise scale")
         self.run = run
         self.preconditioned = preconditioned
         self._groups = param_group_of(run.optimizer)
@@ -138,9 +144,14 @@ class PipelineNorms:
         sums = torch.stack([small, big, count])
         dist.all_reduce(sums, group=run.mesh.pp_group)
         small, big, count = sums.unbind()
-        first = float(count)
         scale = run.scaler.scale_value if run.scaler is not None else 1.0
         opt_factor = 1.0 if run.avg else float(run.k_steps)
-        unit = scale * run._count_mult * first / opt_factor
-        return GradInfo(run, run._params, small / (unit * unit), first, float(total_count),
+        unit = scale * run._count_mult * count / opt_factor
+        small = small / (unit * unit)
+        data = run.mesh.data_degree
+        if data > 1:  # every data rank measured its own micro-batch 0: their mean
+            pair = torch.stack([small, count])
+            dist.all_reduce(pair, group=run.mesh.dp_group)
+            small, count = (pair / data).unbind()
+        return GradInfo(run, run._params, small, float(count), float(total_count),
                         big_sq_norm=big)
