@@ -54,7 +54,9 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
     The batch's "world" is the data-parallel degree. `[pipeline]` splits the model into
     stages (`pipeline_layers`: its chain of `bigbatch.parallel.pipeline.Layer`s, default
     `model.pipeline_layers()`); `run.module` is then this rank's stage, and
-    `run.pipeline_step()` replaces the micro-steps.
+    `run.pipeline_step()` replaces the micro-steps. With data parallelism too, the stages
+    are FSDP2 modules, or DDP modules when `[adaptive]` is active without `[sharding]`
+    (the noise scale measures micro-batch 0's gradient on each data rank).
 
     `optimizer`: your own `torch.optim.Optimizer` over `model`'s parameters (Adafactor,
     Muon, Shampoo, 8-bit Adam, ...) instead of the one the strategy names. Merge, AMP,

@@ -7,7 +7,10 @@ al. 2021, interleaved 1F1B), and runs one optimizer step's micro-batches through
 it. The micro-batches are the step's gradient merge: the loss of each is a sum
 over its items, and the engine divides the accumulated gradient by the global
 item count, exactly as for merged micro-steps on one worker. Gradients of
-weights tied across stages are summed between the ranks that hold them.
+weights tied across stages are summed between the ranks that hold them. With a data
+degree above 1 the stages are FSDP2 modules (`bigbatch.parallel.sharding`), or DDP
+modules over the data group (`replicate`) where the noise scale needs each
+micro-batch's gradient in ``.grad``.
 
 Evaluation runs forward only, through separate stages (torch's stages fix their
 buffers' shapes at the first step) in batches of one fixed size.
