@@ -205,7 +205,11 @@ PIPE = {"pipeline": {"pp_degree": 2, "accumulate_steps": 4}}
     ({"adaptive": {"noise_scale": True},
       "pipeline": {"pp_degree": 2, "accumulate_steps": 4, "schedule_mode": "PipeDream"}},
      'pipeline.schedule_mode = "PipeDream"'),
-    ({"adaptive": {"noise_scale": True}, "sharding": {"stage": 2}}, r"\[adaptive\] with \[sharding\]"),
+    ({"adaptive": {"noise_scale": True}, "sharding": {"stage": 2}},
+     r"adaptive.noise_scale=true with \[pipeline\] and \[sharding\]: each stage is then an "
+     "FSDP2 module"),
+    ({"adaptive": {"lr": "adascale"}, "batch": {"scaling": "none"}, "sharding": {"stage": 3}},
+     r'adaptive.lr="adascale" with \[pipeline\] and \[sharding\]'),
     ({"adaptive": {"noise_scale": True}, "tensor_parallel": {"tensor_parallel_degree": 2}},
      r"\[adaptive\] with tensor parallelism"),
 ])
@@ -215,13 +219,13 @@ def test_refusals_name_the_key_in_one_line(extra, match):
     assert "\n" not in str(err.value)
 
 
-def test_pipeline_with_data_parallelism_is_refused_in_one_line():
+def test_pipeline_with_data_parallelism_is_accepted_without_sharding():
+    """Pipeline x data: the stages are then DDP modules (`tests/test_pipeline_data_gns.py`);
+    with [sharding] (FSDP2 stages) the strategy itself is refused, above."""
     s = Strategy.from_dict({**PIPE, "adaptive": {"noise_scale": True}})
-    assert degrees(s, 2).pipeline == 2  # pipeline alone: accepted
-    with pytest.raises(ConfigError, match="adaptive.noise_scale=true with pipeline.pp_degree=2 "
-                                          "and a data-parallel degree of 2") as err:
-        degrees(s, 4)
-    assert "\n" not in str(err.value)
+    assert degrees(s, 2).pipeline == 2
+    d = degrees(s, 4)
+    assert (d.pipeline, d.data, d.stage) == (2, 2, 0)
 
 
 def test_tracking_and_adascale_are_accepted():

@@ -87,13 +87,6 @@ def degrees(strategy: Any, world_size: int) -> Degrees:
         raise ConfigError(
             f"pipeline.schedule_mode = \"PipeDream\" runs on the pipeline ranks alone; the world "
             f"size {world_size} leaves a data-parallel degree of {data} (use pp_degree = world size)")
-    if strategy.pipeline.enable and data > 1 and strategy.adaptive.active:
-        raise ConfigError(
-            f"{_adaptive_key(strategy.adaptive)} with pipeline.pp_degree={pp} and a "
-            f"data-parallel degree of {data} (world size {world_size}): each stage is then an "
-            "FSDP2 module, which accumulates the micro-batches' gradients in its own unsharded "
-            "copies and reduce-scatters them after the last one, so micro-batch 0's gradient "
-            f"never reaches the parameters; use pp_degree = world size ({world_size})")
     sharding = strategy.sharding
     if not sharding.enable:
         return Degrees(replicate=data, shard=1, tensor=tp, stage=0, pipeline=pp)
@@ -132,6 +125,12 @@ def check_parallel_combination(strategy: Any) -> None:
         raise ConfigError(
             f"data_parallel.reduce={reduce!r} with {what}: {how} whole per-worker gradients, "
             "which sharded or sliced gradients are not; use reduce = \"mean\"")
+    if strategy.adaptive.active and sharded and pipe.enable:
+        raise ConfigError(
+            f"{_adaptive_key(strategy.adaptive)} with [pipeline] and [sharding]: each stage is "
+            "then an FSDP2 module, which accumulates the micro-batches' gradients in its own "
+            "copies, so micro-batch 0's gradient never reaches the parameters; switch "
+            "[sharding] off (the stages' data parallelism is then DDP) or [adaptive] off")
     if strategy.adaptive.active and (sharded or tp > 1):
         raise ConfigError(
             f"[adaptive] with {what}: the noise scale, AdaScale and goodput need each worker's "

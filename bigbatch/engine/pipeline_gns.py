@@ -1,10 +1,10 @@
 """The noise scale's two gradient norms in a pipeline-parallel step.
 
 Small batch: the step's first micro-batch; big batch: the whole step (all
-``accumulate_steps`` micro-batches). Each stage sees its own parameters only,
-so each measures its part of both squared norms and one all-reduce of three
-scalars over the pipeline group (small, big, the first micro-batch's item
-count, known on the last stage) gives the whole model's.
+``accumulate_steps`` micro-batches, on every data rank). Each stage sees its own
+parameters only, so each measures its part of both squared norms and one all-reduce of
+three scalars over the pipeline group (small, big, the first micro-batch's item count,
+known on the last stage) gives the whole model's.
 
 The first micro-batch's gradient is what reaches a parameter first in a step:
 torch's GPipe, 1F1B and interleaved 1F1B schedules run each stage's backwards in
@@ -13,17 +13,29 @@ hook on each parameter (`Tensor.register_hook`, before accumulation) therefore
 takes the squared norm of the incoming gradient when ``.grad`` is still None:
 one 0-d tensor op per parameter per step, no copy, no host sync.
 
+Pipeline x data (a data degree W above 1, no `[sharding]`): `bigbatch.engine.prepare`
+wraps each stage in DDP over the data group (`PipelineRunner.replicate`). torch's stage
+runs every backward but the step's last under `no_sync()`, so micro-batch 0's gradient
+is this data rank's own when the hook sees it; DDP's reducer writes the step's averaged
+gradient into ``.grad`` during the last backward, after the hooks of that backward, and
+the big norm is read from ``.grad`` at the optimizer step, where the engine has
+normalised it by the global item count exactly as on the FSDP2 path. Each data rank's
+small norm, in units of its own micro-batch 0's mean item gradient, is one sample of a
+micro-batch gradient's norm: the step reports their mean over the W data ranks (one
+more all-reduce, of two scalars over the data group), with the mean of their item
+counts as the small batch, as plain DDP reports its workers' norms.
+
 A weight tied across stages (charlm's embedding and LM head) gets part of its
 gradient on each holder. Its first micro-batch's gradient is the sum of those
 parts, so each holder keeps a copy of its part, the copies are summed over the
-holders' group (the same group that sums the step's gradient), and only the
-first holder counts it, in both norms: one more all-reduce, of the weight's size.
-The step then reads the summed item count on the host once, for the estimator's
-batch sizes, as merged micro-steps with `count=` losses do.
+holders' group (the holders in this data replica, the group that sums the step's
+gradient), and only the first holder counts it, in both norms: one more all-reduce,
+of the weight's size. The step then reads the item count on the host once, for the
+estimator's batch sizes, as merged micro-steps with `count=` losses do.
 
-Not covered (refused before launch, `bigbatch.config.parallelism`): a data degree
-above 1, where FSDP2 accumulates the micro-batches in its own unsharded copies, so
-these hooks never fire; tensor parallelism; PipeDream.
+Not covered (refused before launch, `bigbatch.config.parallelism`): `[sharding]`,
+where FSDP2 accumulates the micro-batches in its own copies, so these hooks never
+fire; tensor parallelism; PipeDream; a weight used by two stages of one rank.
 
 Used by `bigbatch.engine.adaptive.attach` for `[pipeline]` runs; the norms go to
 the tracker through `GradInfo` (`local_sq_norm`, `big_sq_norm`).
@@ -43,7 +55,18 @@ from bigbatch.errors import ConfigError
 if TYPE_CHECKING:
     from bigbatch.engine.protocol import RunLike
 
-__all__ = ["PipelineNorms"]
+__all__ = ["PipelineNorms", "check_measurable"]
+
+
+def check_measurable(pipe: Any) -> None:
+    """A ConfigError, on every rank, when a weight is used by two stages of one rank
+    (interleaved): its first micro-batch's gradient arrives in two backwards."""
+    if pipe.shared_across_chunks:
+        raise ConfigError(
+            f"[adaptive] with pipeline.virtual_stages={len(pipe.stage_ids)}: "
+            f"the weight {pipe.shared_across_chunks[0]!r} is used by two stages of one "
+            "rank, so its first micro-batch's gradient arrives in two backwards; split "
+            "elsewhere (pipeline.split_points) or track no noise scale")
 
 
 class PipelineNorms:
@@ -55,13 +78,8 @@ class PipelineNorms:
     """
 
     def __init__(self, run: RunLike, preconditioned: bool) -> None:
+        check_measurable(run.pipeline)
         pipe = run.pipeline
-        if pipe.shared_across_chunks:
-            raise ConfigError(
-                f"[adaptive] with pipeline.virtual_stages={len(pipe.stage_ids)}: "
-                f"the weight {pipe.shared_across_chunks[0]!r} is used by two stages of one "
-                "rank, so its first micro-batch's gradient arrives in two backwards; split "
-                "elsewhere (pipeline.split_points) or track no noise scale")
         self.run = run
         self.preconditioned = preconditioned
         self._groups = param_group_of(run.optimizer)
@@ -131,16 +149,22 @@ class PipelineNorms:
     def grad_info(self, local_count: Any, total_count: Any) -> GradInfo:
         """The step's `GradInfo` (pipeline runs count items: `run._mode == "count"`), with
         the whole model's norms, in the optimizer gradient's units: the mean gradient of
-        micro-batch 0's items and of the step's (times k when ``avg = false``)."""
+        micro-batch 0's items (the mean of the data ranks' squared norms) and of the step's
+        (times k when ``avg = false``)."""
         run = self.run
         small, big = self._local_sums()
         count = run.pipeline.first_count.to(small.device, torch.float64)
         sums = torch.stack([small, big, count])
         dist.all_reduce(sums, group=run.mesh.pp_group)
         small, big, count = sums.unbind()
-        first = float(count)
         scale = run.scaler.scale_value if run.scaler is not None else 1.0
         opt_factor = 1.0 if run.avg else float(run.k_steps)
-        unit = scale * run._count_mult * first / opt_factor
-        return GradInfo(run, run._params, small / (unit * unit), first, float(total_count),
+        unit = scale * run._count_mult * count / opt_factor
+        small = small / (unit * unit)
+        data = run.mesh.data_degree
+        if data > 1:  # every data rank measured its own micro-batch 0: their mean
+            pair = torch.stack([small, count])
+            dist.all_reduce(pair, group=run.mesh.dp_group)
+            small, count = (pair / data).unbind()
+        return GradInfo(run, run._params, small, float(count), float(total_count),
                         big_sq_norm=big)

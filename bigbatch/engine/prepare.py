@@ -54,7 +54,9 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
     The batch's "world" is the data-parallel degree. `[pipeline]` splits the model into
     stages (`pipeline_layers`: its chain of `bigbatch.parallel.pipeline.Layer`s, default
     `model.pipeline_layers()`); `run.module` is then this rank's stage, and
-    `run.pipeline_step()` replaces the micro-steps.
+    `run.pipeline_step()` replaces the micro-steps. With data parallelism too, the stages
+    are FSDP2 modules, or DDP modules when `[adaptive]` is active without `[sharding]`
+    (the noise scale measures micro-batch 0's gradient on each data rank).
 
     `optimizer`: your own `torch.optim.Optimizer` over `model`'s parameters (Adafactor,
     Muon, Shampoo, 8-bit Adam, ...) instead of the one the strategy names. Merge, AMP,
@@ -119,6 +121,10 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
         layers = pipeline_layers if pipeline_layers is not None else model_layers(model)
         pipeline = PipelineRunner(model, layers, mesh, strategy.pipeline)
         model = pipeline.module
+        if needs_gns:
+            from bigbatch.engine.pipeline_gns import check_measurable
+
+            check_measurable(pipeline)  # before any stage is wrapped
     model.to(world.device)
     loss_parallel = False
     if deg.tensor > 1:
@@ -132,7 +138,11 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
         apply_tensor_parallel(model, mesh.tp_mesh, present_plan(model, tp_plan),
                               replicate_rest=True)
         loss_parallel = uses_loss_parallel(model)
-    if deg.uses_mesh and deg.data > 1:
+    if pipeline is not None and deg.data > 1 and not deg.stage and deg.tensor == 1 and needs_gns:
+        # Micro-batch 0's gradient must reach the parameters (`bigbatch.engine.pipeline_gns`):
+        # DDP's stages accumulate in `.grad`, FSDP2's in private copies.
+        pipeline.replicate(world.device, float(dp.bucket_cap_mb))
+    elif deg.uses_mesh and deg.data > 1:
         from bigbatch.parallel.sharding import apply_fsdp
 
         one_root = pipeline is None or len(pipeline.stage_ids) == 1

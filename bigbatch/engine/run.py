@@ -403,6 +403,8 @@ class Run:
         if self._owns_group:
             # DDP's reducer must go before the process group it uses (see `train.train`).
             self.model, self._ddp = self.module, None
+            if self.pipeline is not None:
+                self.pipeline.close()
             gc.collect()
             teardown()
             self._owns_group = False

@@ -150,12 +150,19 @@ def _run_layers(model: nn.Module, layers: Sequence[Layer], x: torch.Tensor) -> t
 
 class Chunk(nn.Module):
     """One of several stages on a rank (interleaved schedules): runs `layers` of `model`
-    without registering it, so parameters keep their names in `model` alone."""
+    without registering it, so parameters keep their names in `model` alone.
 
-    def __init__(self, model: nn.Module, layers: Sequence[Layer]) -> None:
+    `hold`: also register the submodules its layers use (in `held`), so the chunk's own
+    `parameters()` are its stage's, as a wrapper such as DDP needs; names in `model`
+    (state dicts, checkpoints) are unchanged."""
+
+    def __init__(self, model: nn.Module, layers: Sequence[Layer], hold: bool = False) -> None:
         super().__init__()
         object.__setattr__(self, "_model", model)
         self._layers = list(layers)
+        if hold:
+            names = dict.fromkeys(name for layer in layers for name in layer.modules)
+            self.held = nn.ModuleList(model.get_submodule(name) for name in names)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _run_layers(self._model, self._layers, x)

@@ -7,7 +7,10 @@ al. 2021, interleaved 1F1B), and runs one optimizer step's micro-batches through
 it. The micro-batches are the step's gradient merge: the loss of each is a sum
 over its items, and the engine divides the accumulated gradient by the global
 item count, exactly as for merged micro-steps on one worker. Gradients of
-weights tied across stages are summed between the ranks that hold them.
+weights tied across stages are summed between the ranks that hold them. With a data
+degree above 1 the stages are FSDP2 modules (`bigbatch.parallel.sharding`), or DDP
+modules over the data group (`replicate`) where the noise scale needs each
+micro-batch's gradient in ``.grad``.
 
 Evaluation runs forward only, through separate stages (torch's stages fix their
 buffers' shapes at the first step) in batches of one fixed size.
@@ -15,6 +18,7 @@ buffers' shapes at the first step) in batches of one fixed size.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,7 +63,10 @@ class PipelineRunner:
         """The model pruned to this rank's layers (parameter names unchanged)."""
         self._chunks: list[nn.Module] = (
             [self.module] if v == 1 else
-            [Chunk(self.module, [layers[i] for i in ranges[s]]) for s in self.stage_ids])
+            [Chunk(self.module, [layers[i] for i in ranges[s]], hold=True)
+             for s in self.stage_ids])
+        self._train_chunks = self._chunks
+        """What the training schedule runs: `_chunks`, or DDP around each (`replicate`)."""
         self.is_first = 0 in self.stage_ids
         self.is_last = self.num_stages - 1 in self.stage_ids
         self.tied = self._tie_groups(ties)
@@ -113,6 +120,28 @@ class PipelineRunner:
                         mine.append((local[id(param)], group))
         return mine
 
+    def replicate(self, device: torch.device, bucket_cap_mb: float = 25.0) -> None:
+        """Data parallelism of the stages by `DistributedDataParallel` over the mesh's data
+        group, one DDP per stage (call before `start`). torch's stages run every backward
+        but a step's last under `no_sync()`, so each micro-batch's local gradient reaches
+        the parameters (`.grad` and tensor hooks), and the last backward all-reduces
+        (averages) the step's sum over the data ranks. `module` stays the plain stage: its
+        state dict and checkpoints keep their names. Evaluation runs the plain stages."""
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # Buffers are not broadcast at each forward (FSDP2's stages do not either): that
+        # would be a collective per micro-batch.
+        self._train_chunks = [
+            DDP(chunk, device_ids=[device.index] if device.type == "cuda" else None,
+                process_group=self.mesh.dp_group, forward_sync_buffers=False,
+                bucket_cap_mb=bucket_cap_mb)
+            for chunk in self._chunks]
+
+    def close(self) -> None:
+        """Drop the schedules and DDP wrappers: a DDP reducer must go before its process group."""
+        self._schedule = self._eval = None
+        self._train_chunks = self._chunks
+
     @property
     def asynchronous(self) -> bool:
         """PipeDream: the stages update per micro-batch themselves (no engine step)."""
@@ -138,9 +167,9 @@ class PipelineRunner:
 
         group = self.mesh.pp_group
 
-        def stages() -> list[Any]:
+        def stages(chunks: list[nn.Module]) -> list[Any]:
             return [PipelineStage(chunk, s, self.num_stages, device, group=group)
-                    for chunk, s in zip(self._chunks, self.stage_ids, strict=True)]
+                    for chunk, s in zip(chunks, self.stage_ids, strict=True)]
 
         mode = self.config.schedule_mode
         if mode == "PipeDream":
@@ -153,15 +182,15 @@ class PipelineRunner:
                 vertical_sync=self.config.vertical_sync, device=device)
             self._micro = n_microbatches
         elif mode == "Interleaved1F1B":
-            train = stages()
+            train = stages(self._train_chunks)
             self._schedule = ScheduleInterleaved1F1B(train, n_microbatches, loss_fn=self._call_loss,
                                                      scale_grads=False)
         else:
-            train = stages()
+            train = stages(self._train_chunks)
             cls = ScheduleGPipe if mode == "GPipe" else Schedule1F1B
             self._schedule = cls(train[0], n_microbatches, loss_fn=self._call_loss,
                                  scale_grads=False)
-        held = stages()
+        held = stages(self._chunks)
         self._eval = (ScheduleGPipe(held[0], 1) if len(held) == 1 else
                       ScheduleLoopedBFS(held, 1))
 
@@ -193,6 +222,14 @@ class PipelineRunner:
 
         self._loss = micro_loss
         used: list[torch.Tensor] = []
+        held = contextlib.ExitStack()
+        if self._train_chunks is not self._chunks:
+            # DDP stages: torch's stage reduces at the last backward by calling the reducer
+            # itself, and wraps the other forwards and backwards in `no_sync()`, but not the
+            # forward and backward by which the first step infers shapes; outside `no_sync()`
+            # that forward arms the reducer, which then reduces micro-batch 0.
+            for chunk in self._train_chunks:
+                held.enter_context(chunk.no_sync())
         try:
             if self.asynchronous:  # its losses come detached; every call is a real one
                 self._schedule.step(inputs if self.is_first else None,
@@ -209,6 +246,7 @@ class PipelineRunner:
                 self._schedule.step()
         finally:
             self._loss = None
+            held.close()
         for name, group in self.tied:
             grad = self.module.get_parameter(name).grad
             if grad is not None:
