@@ -10,23 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from bigbatch.optim import LAMB, LARS, _blocks, _lamb_cpu
+from bigbatch.optim import LAMB, LARS
 
 F64 = torch.float64
-# The per-tensor kernel takes these tiny tensors down each of its paths when
-# its sizes shrink: as they are, every tensor is small (multi-tensor calls per
-# block); "blocks": dot-product norms and LARS's fused SGD; "chunks": tensors
-# larger than a block, taken in chunks, beside small ones.
-FAST_KERNELS = ["per_tensor", "per_tensor:blocks", "per_tensor:chunks", "multi_tensor"]
-SIZES = {"blocks": dict(SMALL=8), "chunks": dict(SMALL=8, BLOCK=16, CHUNK=8)}
-
-
-def kernel_of(name: str, monkeypatch) -> str:
-    """The kernel argument for a FAST_KERNELS entry, its sizes set for this test."""
-    kernel, _, sizes = name.partition(":")
-    for attr, value in SIZES.get(sizes, {}).items():
-        monkeypatch.setattr(_lamb_cpu if attr == "CHUNK" else _blocks, attr, value)
-    return kernel
+FAST_KERNELS = ["per_tensor", "multi_tensor"]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -75,8 +62,7 @@ LAYOUT_CONFIGS = [
 @pytest.mark.parametrize("grad_layout", ["like_param", "contiguous"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("cls,kw", LAYOUT_CONFIGS, ids=["LARS", "LARS-nesterov", "LAMB"])
-def test_every_layout_matches_reference(cls, kw, layout, grad_layout, kernel, monkeypatch):
-    kernel = kernel_of(kernel, monkeypatch)
+def test_every_layout_matches_reference(cls, kw, layout, grad_layout, kernel):
     runs = []
     for k in ("reference", kernel):
         p = make_layout(layout)
@@ -170,8 +156,7 @@ def assert_same(named_a, opt_a, named_b, opt_b, rtol=1e-12):
 
 @pytest.mark.parametrize("kernel", FAST_KERNELS)
 @pytest.mark.parametrize("cls,kw", OPTION_CONFIGS, ids=config_id)
-def test_every_option_matches_reference(cls, kw, kernel, monkeypatch):
-    kernel = kernel_of(kernel, monkeypatch)
+def test_every_option_matches_reference(cls, kw, kernel):
     ref = run(cls, kw, "reference")
     fast = run(cls, kw, kernel)
     start = dict(named_params())

@@ -183,17 +183,16 @@ def test_lamb_fast_float32_reuses_one_scratch_buffer():
     model = nn.Sequential(nn.Linear(6, 40), nn.ReLU(), nn.Linear(40, 3), nn.LayerNorm(3))
     opt = LAMB(model.named_parameters(), lr=0.01, exclude=("bias",), fast=True)
     x = torch.randn(8, 6)
+    biggest = max(p.numel() for p in model.parameters())
     seen = set()
     for _ in range(3):
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()
         assert opt._scratch.buffer.dtype == torch.float32
+        assert opt._scratch.buffer.numel() == biggest
         seen.add((id(opt._scratch.buffer), opt._scratch.buffer.data_ptr()))
     assert len(seen) == 1
-    # one block of updates side by side (each view 64-byte aligned), nothing more
-    group_sizes = [sum(-(-p.numel() // 8) * 8 for p in g["params"]) for g in opt.param_groups]
-    assert opt._scratch.buffer.numel() == max(group_sizes)
     # no other update-sized tensors hide in the per-parameter state
     for p in model.parameters():
         assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"}

@@ -28,10 +28,9 @@ from ._base import dense
 BLOCK = 1 << 20
 
 
-def blocks(tensors: list[torch.Tensor]) -> Iterator[list[int]]:
+def blocks(tensors: list[torch.Tensor], size: int = BLOCK) -> Iterator[list[int]]:
     """Indices of consecutive runs of ``tensors`` of one (device, dtype), at most
-    ``BLOCK`` elements each; a tensor larger than ``BLOCK`` is a run by itself."""
-    size = BLOCK
+    ``size`` elements each; a tensor larger than ``size`` is a run by itself."""
     run: list[int] = []
     total = 0
     kind = None
@@ -47,10 +46,9 @@ def blocks(tensors: list[torch.Tensor]) -> Iterator[list[int]]:
         yield run
 
 
-# Below this many elements a tensor's work is mostly dispatch: the small tensors
-# of a block share multi-tensor calls (one ``torch._foreach_norm`` for their
-# norms instead of a dot product each; LARS's foreach step).
-SMALL = 1 << 15
+# Below this many elements a tensor's norm is mostly dispatch: those of a block
+# go through one ``torch._foreach_norm`` call instead of a dot product each.
+DOT_MIN = 1 << 15
 
 
 def memory_order(t: torch.Tensor) -> torch.Tensor:
@@ -72,7 +70,7 @@ def norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     out: list = [None] * len(tensors)
     rest = []
     for i, t in enumerate(tensors):
-        if t.numel() >= SMALL and dense(t):
+        if t.numel() >= DOT_MIN and dense(t):
             flat = memory_order(t)
             out[i] = torch.dot(flat, flat).sqrt()
         else:

@@ -1,28 +1,22 @@
-"""LAMB's per-tensor kernel for CPU: the second pass while the first pass's data is in cache.
+"""LAMB's per-tensor kernel for CPU: fused Adam into a scratch buffer, in cache-sized chunks.
 
 A two-pass LAMB must move at least 40 bytes per fp32 parameter (AdamW: 28):
 the first pass reads ``g, m, v, w`` and writes ``m, v, u``; the second reads
-``w, u`` and writes ``w``, and it needs the norms of the whole tensor first.
-So the optimizer takes its tensors a cache-sized block at a time
-(``_blocks.blocks``): for consecutive tensors of at most ``BLOCK`` elements
-together, the multi-tensor steps (one fused Adam call over the block) write
-``u`` into views of one scratch buffer, then come the norms and the update,
-while ``w`` and ``u`` are still in cache.
-
-A tensor larger than a block (``lamb_step_chunked``) runs its first pass
-chunk by chunk: ``u = weight_decay * w`` for a chunk, torch's fused Adam
-kernel adds ``r`` to it, and the chunk's squared norms of ``w`` and ``u`` are
-taken while both are in cache (dot products, ``_blocks.norms``). Only then,
-with the whole norms known, does ``w -= lr * ratio * u`` sweep the tensor once
-more.
+``w, u`` and writes ``w``. Written as whole-tensor torch calls it moves more,
+because ``u += weight_decay * w`` and the two norms each sweep memory again.
+Here the first pass runs chunk by chunk: torch's fused Adam kernel writes a
+chunk of ``r`` into the scratch buffer, then the weight decay and the chunk's
+squared norms of ``w`` and ``u`` are taken while both chunks are still in
+cache (dot products, ``_blocks.norms``), and the trust ratio on Python
+floats (one host read per tensor: free on CPU). Only then, with the whole norms known, does ``w -= lr * ratio * u``
+sweep the tensor once more.
 
 The fused kernel walks raw memory, so all tensors it gets must be dense with
-one layout: the scratch is viewed with the strides of the moments (those of
-``w`` when ``w`` is dense: transposed and ``channels_last`` weights included)
-and the chunks are slices of memory order, which pairs the same elements in
-every tensor. A large tensor whose layout does not fit (a non-dense view, a
-gradient laid out unlike the parameter) takes the readable reference steps
-instead; in a block, such a gradient is copied into the moments' layout.
+one layout: the scratch is viewed with ``w``'s strides (transposed and
+``channels_last`` weights included) and the chunks are slices of memory
+order, which pairs the same elements in every tensor. A tensor whose layout
+does not fit (a non-dense view, a gradient laid out unlike the parameter)
+takes the readable reference kernel instead.
 """
 
 from __future__ import annotations
@@ -35,18 +29,14 @@ from ._base import fusable
 from ._blocks import memory_order, norms
 from ._steps import adam_direction, lamb_trust_ratio, no_bias_correction_step
 
-# Elements per chunk of a tensor larger than a block: five fp32 arrays of this
-# size (g, m, v, u, w) stay within a typical L2 + L3 slice, while a chunk is
-# large enough that per-call overhead stays small against its memory time.
+# Elements per chunk: five fp32 arrays of this size (g, m, v, u, w) stay within
+# a typical L2 + L3 slice, while a chunk is large enough that per-call overhead
+# stays small against its memory time.
 CHUNK = 1 << 18
-
-# Each view in the scratch buffer starts on a 64-byte boundary (in elements of
-# float64, so float32 too), as the vectorised kernels prefer.
-_ALIGN = 8
 
 
 class LambScratch:
-    """One flat update buffer reused by every block and every large tensor.
+    """One flat update buffer reused by every tensor.
 
     ``largest(dtype, device)`` gives the size to allocate: the optimizer's
     largest parameter of that kind, so the buffer is allocated once.
@@ -56,30 +46,18 @@ class LambScratch:
         self.largest = largest
         self.buffer: torch.Tensor | None = None
 
-    def _flat(self, numel: int, like: torch.Tensor) -> torch.Tensor:
-        s = self.buffer
-        if s is None or s.numel() < numel or s.dtype != like.dtype or s.device != like.device:
-            size = max(numel, self.largest(like.dtype, like.device))
-            s = self.buffer = torch.empty(size, dtype=like.dtype, device=like.device)
-        return s
-
     def like(self, w: torch.Tensor) -> torch.Tensor:
         """A view of the buffer with ``w``'s shape and (dense) strides."""
-        return self._flat(w.numel(), w).as_strided(w.shape, w.stride())
-
-    def views(self, likes: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Views of the buffer side by side, each with the shape and (dense) strides of one of ``likes``."""
-        offsets, total = [], 0
-        for t in likes:
-            offsets.append(total)
-            total += -(-t.numel() // _ALIGN) * _ALIGN
-        s = self._flat(total, likes[0])
-        return [s.as_strided(t.shape, t.stride(), o) for t, o in zip(likes, offsets, strict=True)]
+        s = self.buffer
+        if s is None or s.numel() < w.numel() or s.dtype != w.dtype or s.device != w.device:
+            size = max(w.numel(), self.largest(w.dtype, w.device))
+            s = self.buffer = torch.empty(size, dtype=w.dtype, device=w.device)
+        return s.as_strided(w.shape, w.stride())
 
 
-def lamb_step_chunked(scratch: LambScratch, group: dict, w: torch.Tensor,
-                      step: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-                      adapt: bool) -> float:
+def lamb_step_per_tensor(scratch: LambScratch, group: dict, w: torch.Tensor,
+                         step: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                         adapt: bool) -> float:
     """One LAMB step of one plain tensor (``step`` already counts it); returns the ratio."""
     beta1, beta2 = group["betas"]
     wd, eps, lr = group["weight_decay"], group["eps"], float(group["lr"])

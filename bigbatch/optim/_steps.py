@@ -50,8 +50,8 @@ def lars_local_lr(lr: Scalar, coeff: float, w_norm: Scalar, g_norm: Scalar,
     return _where(skip, lr, local)
 
 
-def lars_momentum_coefficients(local_lr: Scalar, prev_lr: Scalar, momentum: float
-                               ) -> tuple[Scalar, Scalar, Scalar]:
+def lars_momentum_coefficients(local_lr: torch.Tensor, prev_lr: torch.Tensor, momentum: float
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """How LARS's stored buffer ``b = v / unit`` moves, without branching on values.
 
     Fleet's velocity is ``v' = momentum * v + local_lr * d``. The buffer is kept
@@ -64,12 +64,12 @@ def lars_momentum_coefficients(local_lr: Scalar, prev_lr: Scalar, momentum: floa
       decays (``carry = momentum``, ``d_coef = 0``);
     - ``unit' = 1`` when both are zero (the buffer is zero anyway).
 
-    Returns ``(unit', carry, d_coef)``, tensors or floats like ``local_lr``.
+    Returns ``(unit', carry, d_coef)``.
     """
     zero = local_lr == 0
-    unit = _where(zero, _where(prev_lr == 0, 1.0, prev_lr), local_lr)
+    unit = torch.where(zero, torch.where(prev_lr == 0, 1.0, prev_lr), local_lr)
     carry = momentum * prev_lr / unit
-    d_coef = (~zero).to(unit.dtype) if isinstance(zero, torch.Tensor) else float(not zero)
+    d_coef = (~zero).to(unit.dtype)
     return unit, carry, d_coef
 
 

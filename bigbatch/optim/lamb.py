@@ -14,12 +14,11 @@ when it exceeds the bound (in place, like ``clip_grad_norm_``), as NVIDIA's
 LAMB does.
 
 Kernels. The reference computes every ``u``, then all norms together, then
-the updates. The multi-tensor kernel runs the fused Adam kernel over lists
-into per-tensor update buffers and keeps norms and ratios as tensors (no host
-sync). The per-tensor CPU kernel (``_lamb_cpu.py``) takes the same steps a
-cache-sized block of tensors at a time, into one scratch buffer, so the norms
-and the update follow while the data is still in cache; a tensor larger than
-a block is taken chunk by chunk.
+the updates. The per-tensor CPU kernel (``_lamb_cpu.py``) runs torch's fused
+Adam kernel into a scratch buffer laid out like ``w``, chunk by chunk, so the
+norms and the update follow while the data is still in cache. The
+multi-tensor kernel runs the fused Adam kernel over lists into per-tensor
+update buffers and keeps norms and ratios as tensors (no host sync).
 """
 
 from __future__ import annotations
@@ -28,9 +27,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from . import _blocks
 from ._base import LayerwiseOptimizer, fusable, in_param_order
-from ._lamb_cpu import LambScratch, lamb_step_chunked
+from ._lamb_cpu import LambScratch, lamb_step_per_tensor
 from ._norms import by_device_and_dtype, global_norm, local, stack, whole_norms
 from ._params import check_range
 from ._steps import adam_direction, clip_coefficient, lamb_trust_ratio, no_bias_correction_step
@@ -121,7 +119,13 @@ class LAMB(LayerwiseOptimizer):
             self._clip_gradients(work, kernel)
         if kernel == "per_tensor":
             for group, params in work:
-                self._per_tensor_group(group, params, ratios)
+                for w in params:
+                    step, m, v = self._state(w)
+                    step += 1
+                    ratio = lamb_step_per_tensor(self._scratch, group, w, step, m, v,
+                                                 self._adapts(group))
+                    if ratios is not None:
+                        ratios.append(ratio)
             return
         # (group, its bucket's parameters, their updates u), buckets in group order.
         pending = []
@@ -144,46 +148,17 @@ class LAMB(LayerwiseOptimizer):
         parts = []
         for group, ps, us in pending:
             if self._adapts(group):
-                parts.append(self._apply(group, ps, us, stack([w_norms[id(w)] for w in ps]),
-                                         stack([u_norms[id(w)] for w in ps])))
+                ratio = lamb_trust_ratio(stack([w_norms[id(w)] for w in ps]),
+                                         stack([u_norms[id(w)] for w in ps]), group["trust_clip"])
             else:
-                parts.append(self._apply(group, ps, us))
+                ratio = torch.ones(len(ps), dtype=us[0].dtype, device=us[0].device)
+            # w -= lr * ratio * u
+            torch._foreach_addcmul_([local(w) for w in ps], us, (-group["lr"] * ratio).unbind())
+            parts.append(ratio)
         if ratios is not None:
             for idx in buckets:
                 ratios.extend(in_param_order(idx, parts[: len(idx)]))
                 parts = parts[len(idx):]
-
-    def _per_tensor_group(self, group, params, ratios) -> None:
-        """One group of plain tensors, a cache-sized block at a time (see ``_lamb_cpu``)."""
-        adapt = self._adapts(group)
-        for idx in _blocks.blocks(params):
-            block = [params[i] for i in idx]
-            if block[0].numel() > _blocks.BLOCK:
-                step, m, v = self._state(block[0])
-                step += 1
-                ratio = lamb_step_chunked(self._scratch, group, block[0], step, m, v, adapt)
-            else:
-                us = self._multi_tensor_direction(group, block, self._scratch)
-                if adapt:
-                    both = _blocks.norms(block + us)
-                    ratio = self._apply(group, block, us, both[: len(block)], both[len(block):])
-                else:
-                    ratio = self._apply(group, block, us)
-            if ratios is not None:
-                ratios.append(ratio)
-
-    @staticmethod
-    def _apply(group, params, us, w_norms=None, u_norms=None) -> torch.Tensor:
-        """``w -= lr * ratio * u`` for one bucket; returns its trust ratios (1-d).
-
-        ``w_norms`` and ``u_norms`` are 1-d; without them the ratio is 1.
-        """
-        if w_norms is None:
-            ratio = torch.ones(len(params), dtype=us[0].dtype, device=us[0].device)
-        else:
-            ratio = lamb_trust_ratio(w_norms, u_norms, group["trust_clip"])
-        torch._foreach_addcmul_([local(w) for w in params], us, (-group["lr"] * ratio).unbind())
-        return ratio
 
     def _reference_direction(self, group, w) -> torch.Tensor:
         """The readable kernel for one tensor: moments, then ``u = r + weight_decay * w``."""
@@ -197,22 +172,18 @@ class LAMB(LayerwiseOptimizer):
             u.add_(local(w), alpha=group["weight_decay"])
         return u
 
-    def _multi_tensor_direction(self, group, params, scratch: LambScratch | None = None
-                                ) -> list[torch.Tensor]:
-        """``u`` for one (device, dtype) bucket: fused Adam over lists, then weight decay.
-
-        The ``u`` are new tensors, or views of ``scratch`` (valid until its next use).
-        """
+    def _multi_tensor_direction(self, group, params) -> list[torch.Tensor]:
+        """``u`` for one (device, dtype) bucket: fused Adam over lists, then weight decay."""
         beta1, beta2 = group["betas"]
         states = [self._state(w) for w in params]
         steps = [s for s, _, _ in states]
         torch._foreach_add_(steps, 1)
         ws = [local(w) for w in params]
-        ms = [m for _, m, _ in states]
-        us = scratch.views(ms) if scratch is not None else [torch.empty_like(m) for m in ms]
+        us = [torch.empty_like(m) for _, m, _ in states]
         # The fused kernel walks raw memory: the gradient must share the buffers' layout.
         gs = [g if fusable(u, g) else torch.empty_like(u).copy_(g)
               for u, g in zip(us, (local(w.grad) for w in params), strict=True)]
+        ms = [m for _, m, _ in states]
         vs = [v for _, _, v in states]
         counts = steps if group["bias_correction"] else [
             no_bias_correction_step(s.device) for s in steps]

@@ -24,8 +24,9 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from . import _blocks
 from ._base import LayerwiseOptimizer, as_state_tensor, fusable, in_param_order
+from ._blocks import blocks
+from ._blocks import norms as block_norms
 from ._norms import by_device_and_dtype, local, stack, whole_norms
 from ._params import check_range
 from ._steps import lars_local_lr, lars_momentum_coefficients, lars_reference_update
@@ -146,78 +147,58 @@ class LARS(LayerwiseOptimizer):
         """One group of plain tensors, a cache-sized block at a time (see ``_blocks``).
 
         Per block: the norms of ``w`` and ``g`` by dot products and the stored
-        ``local_lr`` values, read to the host together; ``lars_local_lr`` and
-        the momentum coefficients on Python floats; then, while the block is
-        still in cache, torch's fused SGD for each large tensor it fits, and
-        one ``_foreach_step`` for the rest (small tensors, nesterov, lr = 0,
-        layouts the fused kernel cannot take).
+        ``local_lr`` values, read to the host together; ``lars_local_lr`` on
+        Python floats; then torch's fused SGD tensor by tensor while the block
+        is still in cache (the reference update where it cannot apply).
         """
         lr = float(group["lr"])
         adapt = self._adapts(group)
-        mu, wd = group["momentum"], group["weight_decay"]
-        fits = not group["nesterov"]
-        for idx in _blocks.blocks(params):
+        coeff, wd, eps, clip = (group["trust_coefficient"], group["weight_decay"],
+                                group["eps"], group["trust_clip"])
+        for idx in blocks(params):
             block = [params[i] for i in idx]
             states = [self._state(w) for w in block]
             prev_ts = [p for _, p in states]
             if adapt:
                 k = len(block)
-                n = _blocks.norms(block + [w.grad for w in block])
+                n = block_norms(block + [w.grad for w in block])
                 values = torch.cat([n, torch.stack(prev_ts).to(n.dtype)]).tolist()
-                local_lrs = [lars_local_lr(lr, group["trust_coefficient"], wn, gn, wd,
-                                           group["eps"], group["trust_clip"])
+                local_lrs = [lars_local_lr(lr, coeff, wn, gn, wd, eps, clip)
                              for wn, gn in zip(values[:k], values[k: 2 * k], strict=True)]
                 prevs = values[2 * k:]
             else:
                 local_lrs = [lr] * len(block)
                 prevs = torch.stack(prev_ts).tolist()
-            rest = []
-            for j, (w, (b, _), local_lr, prev) in enumerate(
-                    zip(block, states, local_lrs, prevs, strict=True)):
-                if fits and local_lr and w.numel() >= _blocks.SMALL and fusable(w, w.grad, b):
-                    _, carry, _ = lars_momentum_coefficients(local_lr, prev, mu)
-                    # The kernel wants momentum > 0; with carry 0 its first-step mode sets b = d.
-                    torch._fused_sgd_([w], [w.grad], [b], weight_decay=wd, momentum=carry or 1.0,
-                                      lr=local_lr, dampening=0.0, nesterov=False,
-                                      maximize=False, is_first_step=carry == 0.0)
-                else:
-                    rest.append(j)
-            # Every row: local_lr, then (unit, carry, d_coef); fused tensors' unit is local_lr.
-            coefs = torch.tensor([[x, *lars_momentum_coefficients(x, p, mu)]
-                                  for x, p in zip(local_lrs, prevs, strict=True)],
-                                 dtype=prev_ts[0].dtype)
-            if rest:
-                part = coefs[rest]
-                self._foreach_step(group, [block[j] for j in rest], [block[j].grad for j in rest],
-                                   [states[j][0] for j in rest], *part.unbind(1))
-            torch._foreach_copy_(prev_ts, coefs[:, 1].unbind())
+            units = [self._per_tensor(group, w, b, local_lr, prev)
+                     for w, (b, _), local_lr, prev in zip(block, states, local_lrs, prevs,
+                                                          strict=True)]
+            torch._foreach_copy_(prev_ts, torch.tensor(units, dtype=prev_ts[0].dtype).unbind())
             if ratios is not None:
                 ratios.extend(x / lr if adapt and lr > 0 else 1.0 for x in local_lrs)
 
     @staticmethod
-    def _foreach_step(group, ws, gs, bufs, local_lr, unit, carry, d_coef) -> None:
-        """The LARS step of a list of tensors, given 1-d tensors of their coefficients.
+    def _per_tensor(group, w, b, local_lr: float, prev: float) -> float:
+        """One plain tensor: torch's fused SGD where it applies, else the reference.
 
-        ``d = g + weight_decay * w``; ``b = carry * b + d_coef * d``; ``w -= unit * b``
-        (nesterov: ``w -= momentum * unit * b + local_lr * d``); see
-        ``lars_momentum_coefficients``.
+        Returns the buffer's new unit.
         """
-        mu, wd = group["momentum"], group["weight_decay"]
-        ds = torch._foreach_add(gs, ws, alpha=wd) if wd else gs
-        torch._foreach_mul_(bufs, carry.unbind())
-        torch._foreach_addcmul_(bufs, ds, d_coef.unbind())
-        if group["nesterov"]:
-            torch._foreach_addcmul_(ws, bufs, (-mu * unit).unbind())
-            torch._foreach_addcmul_(ws, ds, (-local_lr).unbind())
-        else:
-            torch._foreach_addcmul_(ws, bufs, (-unit).unbind())
+        g = w.grad
+        if local_lr and not group["nesterov"] and fusable(w, g, b):
+            carry = group["momentum"] * prev / local_lr
+            # The kernel wants momentum > 0; with carry 0 its first-step mode sets b = d.
+            torch._fused_sgd_([w], [g], [b], weight_decay=group["weight_decay"],
+                              momentum=carry or 1.0, lr=local_lr, dampening=0.0,
+                              nesterov=False, maximize=False, is_first_step=carry == 0.0)
+            return local_lr
+        return lars_reference_update(w, g, b, local_lr, prev, group["momentum"],
+                                     group["weight_decay"], group["nesterov"])
 
     def _multi_tensor(self, group, params, w_norms, g_norms) -> torch.Tensor:
         """One (device, dtype) bucket with foreach ops; nothing read to the host.
 
         Returns the bucket's trust ratios ``local_lr / lr`` (1 where lr is 0).
         """
-        mu, lr = group["momentum"], group["lr"]
+        mu, wd, lr = group["momentum"], group["weight_decay"], group["lr"]
         states = [self._state(w) for w in params]
         bufs = [b for b, _ in states]
         ws = [local(w) for w in params]
@@ -227,7 +208,14 @@ class LARS(LayerwiseOptimizer):
         local_lr = self._local_lrs(group, params, norms)
         unit, carry, d_coef = lars_momentum_coefficients(
             local_lr, torch.stack([p for _, p in states]), mu)
-        self._foreach_step(group, ws, gs, bufs, local_lr, unit, carry, d_coef)
+        ds = torch._foreach_add(gs, ws, alpha=wd) if wd else gs
+        torch._foreach_mul_(bufs, carry.unbind())
+        torch._foreach_addcmul_(bufs, ds, d_coef.unbind())
+        if group["nesterov"]:
+            torch._foreach_addcmul_(ws, bufs, (-mu * unit).unbind())
+            torch._foreach_addcmul_(ws, ds, (-local_lr).unbind())
+        else:
+            torch._foreach_addcmul_(ws, bufs, (-unit).unbind())
         torch._foreach_copy_([p for _, p in states], unit.unbind())
         if norms is None:
             return torch.ones_like(local_lr)
