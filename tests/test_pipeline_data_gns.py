@@ -25,7 +25,7 @@ import json
 import pytest
 import torch
 from _dist import run_workers
-from test_pipeline_gns import TINY, build, record, token_loss, tokens
+from test_pipeline_gns import CASES, TINY, build, record, token_loss, tokens
 
 from bigbatch.config.strategy import Strategy
 from bigbatch.engine.local_norms import preconditioned_grads
@@ -109,13 +109,6 @@ def _single(optimizer: str = "momentum", lr: str = "none"):
             with run.micro_step() as ms:
                 ms.backward(*token_loss(run.model(x[step, r]), y[step, r]))
     return rows, run.adaptive.estimate_log, run.stats, run.module.state_dict()
-
-
-CASES = [("gpipe", {"pp_degree": 2, "schedule_mode": "GPipe"}, "momentum", "none"),
-         ("1f1b", {"pp_degree": 2, "schedule_mode": "1F1B"}, "momentum", "none"),
-         ("interleaved", {"pp_degree": 2, "schedule_mode": "Interleaved1F1B",
-                          "virtual_stages": 2}, "momentum", "none"),
-         ("1f1b-adamw-adascale", {"pp_degree": 2}, "adamw", "adascale")]
 
 
 @pytest.fixture(scope="module")
