@@ -87,6 +87,11 @@ def _pipeline_worker(cases):
             run.pipeline_step(x[step], y[step], token_loss)
         out[name] = (rows, run.adaptive.estimate_log, run.stats,
                      whole_model_state(run.module, run.mesh, run.pipeline))
+    run.set_batch(run.plan.micro_batch_size, run.k_steps)  # the same batch: allowed
+    try:  # a policy that changes a pipeline's batch is stopped, naming why
+        run.set_batch(run.plan.micro_batch_size, 2 * run.k_steps)
+    except ConfigError as e:
+        out["set_batch_error"] = str(e)
     return out
 
 
@@ -277,3 +282,9 @@ def test_weight_shared_by_two_stages_of_one_rank_is_refused_on_every_rank():
     got = run_workers(_shared_chunk_worker, 2, (), timeout=120, init_group=True)
     assert all(m is not None and "'0.weight' is used by two stages of one rank" in m
                and "\n" not in m for m in got), got
+
+
+def test_a_pipelines_batch_cannot_change_during_the_run(two_ranks):
+    _, ranks = two_ranks
+    for r in ranks:
+        assert "under [pipeline]" in r["set_batch_error"] and "fixed for the run" in r["set_batch_error"]

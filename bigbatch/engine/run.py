@@ -20,6 +20,7 @@ from bigbatch.engine import state as _run_state
 from bigbatch.engine.amp import LossScaler
 from bigbatch.engine.grad_info import GradInfo, grad_info, sq_norm
 from bigbatch.engine.micro_step import MicroStep
+from bigbatch.errors import ConfigError
 from bigbatch.optim._norms import local
 from bigbatch.parallel.data_parallel import CommState
 from bigbatch.parallel.mesh import ParallelMesh
@@ -244,6 +245,12 @@ class Run:
         if self.micro:
             raise RuntimeError("run.set_batch() inside a merge window; call it after the "
                                "optimizer step (ms.stepped)")
+        if self.pipeline is not None and (micro_batch_size, k_steps) != (
+                self.plan.micro_batch_size, self.k_steps):
+            raise ConfigError(
+                f"run.set_batch({micro_batch_size}, {k_steps}) under [pipeline]: the schedule "
+                f"runs {self.k_steps} micro-batches of {self.plan.micro_batch_size} "
+                f"(pipeline.accumulate_steps, micro_batch_size), fixed for the run")
         W = self.mesh.data_degree
         self.plan = plan = self.strategy.batch_plan(micro_batch_size * k_steps * W,
                                                     micro_batch_size, k_steps, W)
