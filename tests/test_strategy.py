@@ -212,7 +212,8 @@ def test_direct_construction_validates_and_coerces():
         ),
         (
             "[lars]\nexclude_from_weight_decay = 'bn'",
-            "lars.exclude_from_weight_decay: expected list of str or none, got str 'bn'",
+            "lars.exclude_from_weight_decay: expected a list, got the string 'bn'; write "
+            "[\"bn\"] (on the command line: --set 'lars.exclude_from_weight_decay=[\"bn\"]')",
         ),
         (
             "[lars]\nexclude_from_weight_decay = [1]",

@@ -83,6 +83,10 @@ def _coerce(key: str, value: Any, tp: Any, shown: Any = None) -> Any:
                 continue
         _wrong(key, value, shown)
     if origin in (tuple, list):
+        if isinstance(value, str):  # a bare word from --set, most likely
+            raise ConfigError(
+                f"{key}: expected a list, got the string {_short(value)}; write "
+                f"[\"{value}\"] (on the command line: --set '{key}=[\"{value}\"]')")
         if not isinstance(value, list | tuple):
             _wrong(key, value, shown)
         return origin(_coerce(key, v, args[0], shown) for v in value)
