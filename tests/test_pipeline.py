@@ -49,10 +49,13 @@ def token_loss(logits, y):
     return loss, (y != -100).sum()
 
 
-def single_run(task, extra=None, with_run=False):
+def single_run(task, extra=None, with_run=False, norms=False):
     torch.manual_seed(0)
     run = prepare(task.build_model(), make_strategy(None, extra), total_steps=STEPS,
-                  world=World())
+                  world=World(), track_stats=norms)
+    if norms:
+        run.norms_seen = []
+        run.step_hooks.append(lambda r: r.norms_seen.append(float(r.stats["grad_norm"])))
     x, y = tokens()
     micro = GLOBAL // K
     for step in range(STEPS):
@@ -72,7 +75,12 @@ def _worker(cases):
         torch.manual_seed(0)
         pipe = dict(pipe)
         extra = {"amp": {"dtype": pipe.pop("amp")}} if "amp" in pipe else None
-        run = prepare(task.build_model(), make_strategy(pipe, extra), total_steps=STEPS)
+        if "clip" in pipe:
+            extra = clipped(pipe.pop("clip"))
+        run = prepare(task.build_model(), make_strategy(pipe, extra), total_steps=STEPS,
+                      track_stats=True)
+        norms: list[float] = []
+        run.step_hooks.append(lambda r, seen=norms: seen.append(float(r.stats["grad_norm"])))
         data, d = run.mesh.data_degree, run.mesh.data_rank
         x, y = tokens()
         rows = slice(d * GLOBAL // data, (d + 1) * GLOBAL // data)
@@ -82,7 +90,7 @@ def _worker(cases):
             losses.append((float(total), float(count)))
         assert run.step + run.skipped_steps == STEPS
         out[name] = (whole_model_state(run.module, run.mesh, run.pipeline), losses,
-                     run.pipeline.layer_names, run.step, run.skipped_steps)
+                     run.pipeline.layer_names, run.step, run.skipped_steps, norms)
     return out
 
 
@@ -90,7 +98,13 @@ CASES_2 = [("gpipe", {"pp_degree": 2, "schedule_mode": "GPipe"}),
            ("1f1b", {"pp_degree": 2, "schedule_mode": "1F1B"}),
            ("interleaved", {"pp_degree": 2, "schedule_mode": "Interleaved1F1B",
                             "virtual_stages": 2}),
-           ("1f1b-fp16", {"pp_degree": 2, "amp": "float16"})]
+           ("1f1b-fp16", {"pp_degree": 2, "amp": "float16"}),
+           ("1f1b-clip", {"pp_degree": 2, "clip": 0.05})]
+
+
+def clipped(max_norm: float) -> dict:
+    return {"optimizer": {"type": "adamw", "weight_decay": 0.0, "epsilon": 1e-6,
+                          "max_grad_norm": max_norm}}
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +119,9 @@ def two_ranks():
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    return run_workers(_worker, 4, ([("pp2xdp2", {"pp_degree": 2})],), timeout=300,
-                       init_group=True)
+    return run_workers(_worker, 4, ([("pp2xdp2", {"pp_degree": 2}),
+                                     ("pp2xdp2-clip", {"pp_degree": 2, "clip": 0.05})],),
+                       timeout=300, init_group=True)
 
 
 def _assert_equal_to(single, weights):
@@ -115,9 +130,9 @@ def _assert_equal_to(single, weights):
         torch.testing.assert_close(w, single[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("case", [c for c, _ in CASES_2 if "fp16" not in c])
+@pytest.mark.parametrize("case", [c for c, _ in CASES_2 if "fp16" not in c and "clip" not in c])
 def test_pipeline_2_equals_single_process(single, two_ranks, case):
-    weights, losses, layers, _, _ = two_ranks[0][case]
+    weights, losses, layers, _, _, _ = two_ranks[0][case]
     _assert_equal_to(single, weights)
     assert all(total == 0 for total, _ in losses)  # the first stage reports nothing
     last = two_ranks[1][case][1]
@@ -132,10 +147,29 @@ def test_fp16_pipeline_skips_and_trains_like_one_process(two_ranks):
     same scale, and every stage skips the same overflow steps as one process."""
     want, run = single_run(CharLM(**TINY), {"amp": {"dtype": "float16"}}, with_run=True)
     for rank in range(2):
-        weights, _, _, steps, skipped = two_ranks[rank]["1f1b-fp16"]
+        weights, _, _, steps, skipped, _ = two_ranks[rank]["1f1b-fp16"]
         assert (steps, skipped) == (run.step, run.skipped_steps) and skipped > 0
     for name, w in two_ranks[0]["1f1b-fp16"][0].items():
         torch.testing.assert_close(w, want[name], rtol=1e-3, atol=2e-4, msg=name)
+
+
+def test_pipeline_clips_the_whole_models_norm_like_one_process(two_ranks):
+    """Each stage's part of |g|^2 summed over the pipeline, the tied embedding once: the
+    same norm, the same clipping and the same weights as one process."""
+    want, run = single_run(CharLM(**TINY), clipped(0.05), with_run=True, norms=True)
+    assert max(run.norms_seen) > 0.05  # the clip was active
+    for rank in range(2):
+        norms = two_ranks[rank]["1f1b-clip"][5]
+        assert norms == pytest.approx(run.norms_seen, rel=1e-4)
+    _assert_equal_to(want, two_ranks[0]["1f1b-clip"][0])
+
+
+def test_pipeline_x_data_clips_like_one_process(four_ranks):
+    """With FSDP2 stages the gradients are sharded over the data ranks: taken whole."""
+    want, run = single_run(CharLM(**TINY), clipped(0.05), with_run=True, norms=True)
+    for rank in range(4):
+        assert four_ranks[rank]["pp2xdp2-clip"][5] == pytest.approx(run.norms_seen, rel=1e-4)
+    _assert_equal_to(want, four_ranks[0]["pp2xdp2-clip"][0])
 
 
 def test_pipeline_2_x_data_2_equals_single_process(single, four_ranks):

@@ -160,9 +160,10 @@ def _check_pipeline(strategy: Any) -> None:
         raise ConfigError(
             f"pipeline.micro_batch_size={pipe.micro_batch_size} and batch.micro_batch_size="
             f"{batch.micro_batch_size} disagree; set one of them")
-    if strategy.max_grad_norm() is not None:
-        raise ConfigError("max_grad_norm (clipping) with [pipeline]: the global norm spans "
-                          "stages on other ranks, which each stage does not see")
+    if strategy.max_grad_norm() is not None and pipe.schedule_mode == "PipeDream":
+        raise ConfigError('max_grad_norm (clipping) with pipeline.schedule_mode = "PipeDream": '
+                          "its stages update per micro-batch, with no step's whole gradient "
+                          "to clip")
     if strategy.sharding.enable and strategy.sharding.stage == 1:
         raise ConfigError("sharding.stage=1 with [pipeline] is not supported; use stage 2 or 3")
     if strategy.adaptive.active:

@@ -319,8 +319,12 @@ class Run:
         if not found_inf:
             info = self._run_hooks(local_raw, local_count, total_count) if self.grad_hooks else None
             if self.track_grad_norm or self.max_grad_norm is not None:
-                global_sq = info.global_sq_norm() if info is not None else sq_norm(
-                    [p.grad for p in self._params if p.grad is not None])
+                if self.pipeline is not None:  # each stage holds part of the model
+                    global_sq = self.pipeline.grad_sq_norm()
+                elif info is not None:
+                    global_sq = info.global_sq_norm()
+                else:
+                    global_sq = sq_norm([p.grad for p in self._params if p.grad is not None])
                 self._grad_norm = global_sq.sqrt()
             if self.max_grad_norm is not None:
                 self._clip(self._grad_norm)

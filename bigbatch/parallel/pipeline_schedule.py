@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from bigbatch.optim._norms import global_norm
 from bigbatch.parallel.mesh import ParallelMesh
 from bigbatch.parallel.pipeline import (
     Chunk,
@@ -146,6 +147,23 @@ class PipelineRunner:
     def asynchronous(self) -> bool:
         """PipeDream: the stages update per micro-batch themselves (no engine step)."""
         return self.config.schedule_mode == "PipeDream"
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        """|g|^2 of the whole model's gradient, as a 0-d tensor (no host sync): this rank's
+        stages (sharded gradients taken whole), summed over the pipeline in one all-reduce;
+        a weight tied across stages counts on its first holder only. For clipping and the
+        logged grad norm."""
+        rank = dist.get_rank()
+        others = {name for name, group in self.tied
+                  if rank != min(dist.get_process_group_ranks(group))}
+        grads = [p.grad for name, p in self.module.named_parameters()
+                 if p.grad is not None and name not in others]
+        if grads:
+            sq = global_norm(grads).square()
+        else:
+            sq = torch.zeros((), device=next(self.module.parameters()).device)
+        dist.all_reduce(sq, group=self.mesh.pp_group)
+        return sq
 
     def settle(self) -> None:
         """Finish what is in flight (PipeDream carries micro-batches across steps), so the
