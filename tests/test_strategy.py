@@ -216,6 +216,11 @@ def test_direct_construction_validates_and_coerces():
             "[\"bn\"] (on the command line: --set 'lars.exclude_from_weight_decay=[\"bn\"]')",
         ),
         (
+            "[lars]\nexclude_from_weight_decay = '[bn, bias]'",
+            "lars.exclude_from_weight_decay: '[bn, bias]' is not a TOML list: quote each "
+            "string, e.g. --set 'lars.exclude_from_weight_decay=[\"a\", \"b\"]'",
+        ),
+        (
             "[lars]\nexclude_from_weight_decay = [1]",
             "lars.exclude_from_weight_decay: expected list of str or none, got int 1",
         ),

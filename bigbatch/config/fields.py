@@ -84,6 +84,11 @@ def _coerce(key: str, value: Any, tp: Any, shown: Any = None) -> Any:
         _wrong(key, value, shown)
     if origin in (tuple, list):
         if isinstance(value, str):  # a bare word from --set, most likely
+            if value.lstrip().startswith("["):  # a list whose strings lost their quotes
+                raise ConfigError(
+                    f"{key}: {_short(value)} is not a TOML list: quote each string, e.g. "
+                    f"--set '{key}=[\"a\", \"b\"]' (the outer quotes keep the shell's "
+                    f"hands off)")
             raise ConfigError(
                 f"{key}: expected a list, got the string {_short(value)}; write "
                 f"[\"{value}\"] (on the command line: --set '{key}=[\"{value}\"]')")
