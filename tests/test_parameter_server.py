@@ -220,3 +220,44 @@ def test_cli_runs_one_server_and_two_workers(tmp_path, cache, capsys, monkeypatc
     assert main(["train", "--resume", "--nproc", "4", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "has 1 server(s) and 2 worker(s)" in err, err
+
+
+@pytest.mark.slow  # ~60 s: three 3-process jobs
+def test_sigterm_checkpoints_where_it_stops_and_resume_is_exact(tmp_path):
+    """The launcher's SIGTERM reaches server 0 and the workers: server 0 checkpoints after
+    the step in progress, every rank ends with 143, and the sync run resumes exactly."""
+    import signal
+
+    from tests._cli import (
+        TINY,
+        assert_one_line,
+        assert_same_weights,
+        run_cli,
+        start_cli,
+        wait_for_checkpoint,
+    )
+
+    cache = tmp_path / "xdg-cache"
+    args = ["train", "--nproc", "3", "--set", "parameter_server.servers=1", *TINY,
+            "--steps", "200", "--checkpoint-every", "10"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    p = run_cli([*args, "--out", str(full)], cache)
+    assert p.returncode == 0, p.stderr[-3000:]
+    proc = start_cli([*args, "--out", str(cut)], cache)
+    try:
+        wait_for_checkpoint(cut, proc)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    assert_one_line(err, "bigbatch train: stopped by SIGTERM after step ")
+    step = int(err.strip().splitlines()[-1].split("after step ")[1].split(";")[0])
+    assert 10 <= step < 200 and (cut / "checkpoints" / f"step-{step:09d}.json").is_file()
+    assert not (cut / "final.pt").exists()
+    p = run_cli([*args, "--out", str(cut), "--resume"], cache)
+    assert p.returncode == 0, p.stderr[-3000:]
+    resumed = [line for line in p.stderr.splitlines() if line.startswith("resuming")]
+    assert resumed and resumed[0].startswith(f"resuming {cut} from step {step} "), resumed
+    assert_same_weights(full, cut)

@@ -15,9 +15,14 @@ from typing import Any
 import torch
 
 from bigbatch.train import data
-from bigbatch.train.checkpoint import atomic_save, save_checkpoint, write_text_atomic
+from bigbatch.train.checkpoint import (
+    atomic_save,
+    save_checkpoint,
+    write_text_atomic,
+)
 from bigbatch.train.outdir import RUN_FILE
 from bigbatch.train.progress import MetricsWriter, ProgressBar, closing_line
+from bigbatch.train.signals import Stopped
 from bigbatch.train.summary import run_summary
 
 __all__ = ["Driver"]
@@ -47,16 +52,19 @@ class Driver:
         self._stale: list[int] = []
         self._rates: list[float] = []
         self._t_log, self._samples_log = time.perf_counter(), self.samples
+        self.signal: int | None = None
+        """A stop signal seen here or by a worker (its pushes carry it)."""
         server.is_done = lambda: run.done
         out = Path(cfg.out)
         job.files.begin(overwrite=cfg.overwrite and not cfg.resume)
         write_recorded(job.files, out / "strategy.toml", job.strategy.to_toml())
         write_recorded(job.files, out / RUN_FILE, json.dumps(cfg.to_dict(), indent=2) + "\n")
         self.writer = MetricsWriter(out, tensorboard=cfg.tensorboard, files=job.files,
-                                    resume_step=run.step if job.ckpt is not None else None)
+                                    resume_step=job.ckpt["step"] if job.ckpt is not None else None)
+        # The checkpoint's step, not run.step: the workers may have pushed a step already.
         self.bar = ProgressBar(run.total_steps, int(run.progress), enabled=True, bar=cfg.progress)
         if job.ckpt is not None:
-            self.bar.print(f"resuming {out} from step {run.step} ({job.cfg.mode} parameter "
+            self.bar.print(f"resuming {out} from step {job.ckpt['step']} ({job.cfg.mode} parameter "
                            f"server, {job.servers} server(s), {job.workers} worker(s))")
         else:
             self.bar.print(job.strategy.overview(job.world.world_size,
@@ -79,6 +87,11 @@ class Driver:
                                    f"data_parallel.timeout_s={self.job.timeout:g} (timed out)"
                                    ) from None
             self._take(version, pushes)
+            own = self.job.stop.requested if self.job.stop is not None else None
+            self.signal = self.signal or own
+            if self.signal is not None and not run.done:
+                self._log(version)
+                return self._stop(release)
             with server.lock:  # no step is applied once done, so no event can follow
                 last = run.done and server.events.empty()
             if version % self.log_every == 0 or last:
@@ -106,8 +119,22 @@ class Driver:
         write_outputs(self.job, summary, weights, self.writer, self.bar)
         return summary
 
+    def _stop(self, release: Any) -> dict[str, Any]:
+        """A signal: checkpoint this step (every server's state, every worker's position),
+        tell the workers to stop, and raise `Stopped` on the way out (`Job.stopped`)."""
+        self.server.finish()  # no later push is applied; its reply says stop
+        path = self.checkpoint()
+        release()
+        self.bar.close()
+        self.writer.close()
+        step = int(path.stem.removeprefix("step-"))
+        self.job.stopped = Stopped(self.signal, step, path)
+        return {"stopped": self.signal, "step": step}
+
     def _take(self, version: int, pushes: list[Any]) -> None:
         for p in pushes:
+            if p.extra is not None and p.extra.get("signal"):
+                self.signal = self.signal or int(p.extra["signal"])
             self._loss[0] += p.loss
             self._loss[1] += p.count
             if p.extra is not None:
@@ -158,10 +185,10 @@ class Driver:
         self.bar.print(f"epoch {self.epoch:.2f} step {step}: test {shown}")
         return metrics
 
-    def checkpoint(self) -> None:
+    def checkpoint(self) -> Path:
         payload = self.job.checkpoint_payload(self.run, self.server, self)
-        save_checkpoint(Path(self.job.config.out), payload["step"], payload,
-                        keep=self.job.config.keep_checkpoints, files=self.job.files)
+        return save_checkpoint(Path(self.job.config.out), payload["step"], payload,
+                               keep=self.job.config.keep_checkpoints, files=self.job.files)
 
 
 def write_recorded(files: Any, path: Path, text: str) -> None:

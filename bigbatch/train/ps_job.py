@@ -39,6 +39,7 @@ from bigbatch.train.checkpoint import (
 from bigbatch.train.outdir import prepare_out
 from bigbatch.train.plan import load_task, plan_run
 from bigbatch.train.ps_driver import Driver
+from bigbatch.train.signals import Stopped
 
 __all__ = ["check_resume", "train_parameter_server"]
 
@@ -63,11 +64,15 @@ def check_resume(ckpt: dict, strategy: Any, world_size: int, name: str) -> None:
 
 
 def train_parameter_server(config: Any, strategy: Any, world: World,
-                           *, slow_worker: tuple[int, float] | None = None) -> dict[str, Any]:
+                           *, slow_worker: tuple[int, float] | None = None,
+                           stop: Any = None) -> dict[str, Any]:
     """Run this rank's part; returns the summary on server 0, a short record elsewhere.
 
     The output directory follows the main job's rules (`bigbatch.train.outdir`): server 0
-    holds its lock and records what it writes. `slow_worker` (index, seconds): that worker
+    holds its lock and records what it writes. `stop` (`bigbatch.train.signals.StopSignals`,
+    installed by the caller): on SIGTERM, SIGINT or SIGHUP at server 0 or at a worker,
+    server 0 checkpoints after the step in progress, the workers are told to stop, and
+    every rank raises `Stopped` once the others are done. `slow_worker` (index, seconds): that worker
     sleeps after each push (benchmarks).
     """
     owns_group = world.is_distributed and not dist.is_initialized()
@@ -92,10 +97,16 @@ def train_parameter_server(config: Any, strategy: Any, world: World,
         ps.start_rpc(world.rank, world.world_size, cfg.servers, timeout)
         rpc_on = True
         job = _Job(config, strategy, task, model, plan, total_steps, spe, ckpt, world)
-        job.files = files
+        job.files, job.stop = files, stop
         if world.rank < cfg.servers:
-            return job.serve(resume_from)
-        return job.work(sampler, slow_worker)
+            result = job.serve(resume_from)
+        else:
+            result = job.work(sampler, slow_worker)
+        rpc.shutdown()  # graceful: waits for every rank, serving calls meanwhile
+        rpc_on = False
+        if job.stopped is not None:
+            raise job.stopped
+        return result
     finally:
         if rpc_on:
             rpc.shutdown()  # graceful: waits for every rank, serving calls meanwhile
@@ -115,6 +126,10 @@ class _Job:
         self.owner = ps.assign_shards([p.numel() for p in self.params], self.servers)
         self.saved = ckpt["parameter_server"] if ckpt is not None else None
         self.timeout = strategy.data_parallel.timeout_s
+        self.stop: Any = None
+        self.stopped: Stopped | None = None
+        """Set when the run ended on a signal: server 0's says where it stopped; the other
+        ranks' (raised too, for the exit status) carry no step."""
 
     # ------------------------------------------------------------------ worker
 
@@ -143,7 +158,8 @@ class _Job:
                     (loss * mult).backward()
                     loss_sum += loss.detach().double()
                     count += float(n)
-                extra = {"sampler": sampler.state_dict(), "rng": rng_state()}
+                extra = {"sampler": sampler.state_dict(), "rng": rng_state(),
+                         "signal": self.stop.requested if self.stop is not None else None}
                 if w == 0:
                     extra["buffers"] = {k: v.detach().clone()
                                         for k, v in self.model.named_buffers()}
@@ -158,7 +174,13 @@ class _Job:
                     break
             if not stop:
                 sampler.next_epoch()
+        self._stopped_elsewhere()
         return {"worker": w, "pushes": steps}
+
+    def _stopped_elsewhere(self) -> None:
+        """A rank that is not server 0: if it got a signal, it ends with that status too."""
+        if self.stop is not None and self.stop.requested is not None:
+            self.stopped = Stopped(self.stop.requested)
 
     # ------------------------------------------------------------------ server
 
@@ -209,6 +231,7 @@ class _Job:
         ps.serve(server)
         barrier(self.world)  # now the workers may pull
         if index != 0:
+            self._stopped_elsewhere()
             return {"server": index}
         return Driver(self, run, server).loop()
 

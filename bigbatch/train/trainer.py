@@ -82,7 +82,9 @@ def train(config: TrainConfig, strategy: Strategy, world: World | None = None) -
     if strategy.parameter_server.enable:  # server and worker ranks instead of DDP
         from bigbatch.train.ps_job import train_parameter_server
 
-        return train_parameter_server(config, strategy, world)
+        stop = StopSignals(world)
+        with stop.installed():
+            return train_parameter_server(config, strategy, world, stop=stop)
     owns_group = world.is_distributed and not dist.is_initialized()
     init_distributed(strategy.data_parallel, world)
     trainer = None
