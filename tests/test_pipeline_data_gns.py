@@ -26,6 +26,7 @@ import pytest
 import torch
 from _dist import run_workers
 from test_pipeline_gns import CASES, TINY, build, record, token_loss, tokens
+from test_pipeline_gns import make_strategy as gns_strategy
 
 from bigbatch.config.strategy import Strategy
 from bigbatch.engine.local_norms import preconditioned_grads
@@ -39,17 +40,8 @@ LOCAL = GLOBAL // W  # rows per data rank and step
 
 def make_strategy(pipeline: dict | None, optimizer: str = "momentum",
                   lr: str = "none") -> Strategy:
-    d: dict = {
-        "batch": {"global_batch_size": GLOBAL, "base_batch_size": 4, "base_lr": 0.05,
-                  "warmup_steps": 0, "scaling": "none"},
-        "optimizer": {"type": optimizer, "weight_decay": 0.0, "epsilon": 1e-6},
-        "adaptive": {"noise_scale": True, "lr": lr},
-    }
-    if pipeline is None:
-        d["gradient_merge"] = {"k_steps": K * W}
-    else:
-        d["pipeline"] = {"accumulate_steps": K, **pipeline}
-    return Strategy.from_dict(d)
+    """The pipeline-only test's strategy; the one-process reference merges all W x K."""
+    return gns_strategy(pipeline, optimizer, lr, merge_k=K * W)
 
 
 def _worker(cases):

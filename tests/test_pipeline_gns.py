@@ -30,7 +30,8 @@ MICRO = GLOBAL // K
 
 
 def make_strategy(pipeline: dict | None, optimizer: str = "momentum",
-                  lr: str = "none") -> Strategy:
+                  lr: str = "none", merge_k: int = K) -> Strategy:
+    """`pipeline` with `accumulate_steps` K, or (None) one process merging `merge_k`."""
     d: dict = {
         "batch": {"global_batch_size": GLOBAL, "base_batch_size": 4, "base_lr": 0.05,
                   "warmup_steps": 0, "scaling": "none"},
@@ -38,7 +39,7 @@ def make_strategy(pipeline: dict | None, optimizer: str = "momentum",
         "adaptive": {"noise_scale": True, "lr": lr},
     }
     if pipeline is None:
-        d["gradient_merge"] = {"k_steps": K}
+        d["gradient_merge"] = {"k_steps": merge_k}
     else:
         d["pipeline"] = {"accumulate_steps": K, **pipeline}
     return Strategy.from_dict(d)
