@@ -9,17 +9,18 @@ amortised (a decomposition every `inv_update_freq` steps), so the figure is the
 mean step time over whole intervals (each loop runs a multiple of 100 steps), with
 the median beside it; ratios are against the first SGD loop. Target: <= 1.5x at 10.
 
-Measured on the 2-core dev box (load 8-11 from other jobs), defaults: mean/sgd at
-inv_update_freq 1 / 10 / 100 = 3.06 / 2.32 / 2.47 and 2.90 / 2.39 / 2.05 (noise
-floor 1.08, 0.95); with --factor-freq 10: 2.16 / 1.47 / 1.39 and 1.77 / 1.15 / 1.19
-(noise floor 1.12, 1.07). With factors every step the target is missed: the factor
+Measured on the 2-core dev box, quiet, defaults (factor_update_freq 10): mean/sgd at
+inv_update_freq 1 / 10 / 100 = 2.18 / 1.30 / 1.20 and 2.19 / 1.31 / 1.22 (noise floor
+0.995, 1.002). Earlier, on the box at load 8-11: with --factor-freq 1, 3.06 / 2.32 /
+2.47 and 2.90 / 2.39 / 2.05; with 10, 2.16 / 1.47 / 1.39 and 1.77 / 1.15 / 1.19. With
+factors every step (--factor-freq 1) the target is missed: the factor
 products (d^2 per row: 641^2 for the 640-wide head, 192^2 x 10 positions for conv3;
 ~0.97 M multiply-adds a sample for the inputs, ~0.16 M for the output gradients) cost
 more than the CNN's forward and backward (~0.78 M), so that case stays above ~2x.
 
     .venv/bin/python benchmarks/kfac.py                    # batch 1024, 100 steps a loop
     .venv/bin/python benchmarks/kfac.py --batch 4096 --rounds 10 --block 10
-    .venv/bin/python benchmarks/kfac.py --factor-freq 10   # stale factors as well
+    .venv/bin/python benchmarks/kfac.py --factor-freq 1    # fresh factors every step
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1024, help="global batch")
     p.add_argument("--micro", type=int, default=128, help="micro batch (merge above it)")
     p.add_argument("--freqs", default="1,10,100", help="inv_update_freq values")
-    p.add_argument("--factor-freq", type=int, default=1, help="factor_update_freq of every loop")
+    p.add_argument("--factor-freq", type=int, default=10,
+                   help="factor_update_freq of every loop (default 10, the [kfac] default)")
     p.add_argument("--rounds", type=int, default=10, help="rotating blocks per loop")
     p.add_argument("--block", type=int, default=10, help="optimizer steps per block")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per loop first")

@@ -254,8 +254,11 @@ class KfacConfig(_Section):
     """Tikhonov damping λ, split over both factors as π√λ and √λ/π."""
     factor_decay: float = _f(0.95, ge=0, lt=1)
     """Running average of the factors: new = decay x old + (1 - decay) x this step's."""
-    factor_update_freq: int = _f(1, ge=1)
-    """Optimizer steps between factor updates (each collects all the step's micro-steps)."""
+    factor_update_freq: int = _f(10, ge=1)
+    """Optimizer steps between factor updates (each collects all the step's micro-steps).
+    10, as in Pauloski et al.'s examples: on MNIST-1D at 4096, 42 steps to target against
+    38 with fresh factors every step and the same accuracy, at 1.15-1.5x an SGD step
+    instead of 2.3x (the factor products outweigh a small CNN's forward and backward)."""
     inv_update_freq: int = _f(10, ge=1)
     """Optimizer steps between eigendecompositions of the factors."""
     kl_clip: float = _f(0.001, ge=0)
