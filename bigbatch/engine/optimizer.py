@@ -47,27 +47,23 @@ def build_optimizer(model: nn.Module, strategy: Any, lr: float,
 
 def weight_decays(model: nn.Module, strategy: Any) -> dict[int, float]:
     """The weight decay `build_optimizer` gives each trainable parameter, by `id`."""
-    from bigbatch.optim import param_groups
-
     _, kwargs, exclude = _recipe(model, strategy, lr=0.0)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return {id(p): float(g["weight_decay"])
-            for g in param_groups(named, kwargs.get("weight_decay", 0.0), exclude)
-            for p in g["params"]}
+    groups = exclusion_groups(model, kwargs.get("weight_decay", 0.0), exclude, warn=False)
+    return {id(p): float(g["weight_decay"]) for g in groups for p in g["params"]}
 
 
-def exclusion_groups(model: nn.Module, weight_decay: float,
-                     exclude: tuple[str, ...] | None) -> list[dict[str, Any]]:
+def exclusion_groups(model: nn.Module, weight_decay: float, exclude: tuple[str, ...] | None,
+                     warn: bool = True) -> list[dict[str, Any]]:
     """Param groups: decayed, and excluded (weight decay 0, no trust ratio).
 
     `exclude` None: the default rule, every tensor with ndim <= 1 (biases, norm gains;
     nanoGPT's and timm's convention). A tuple: Fleet's rule, parameter-name substrings;
-    a pattern that matches no parameter gets a one-line warning naming it.
+    a pattern that matches no parameter gets a one-line warning naming it (`warn`).
     """
     from bigbatch.optim import param_groups
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    for pattern in exclude or ():
+    for pattern in exclude if warn and exclude else ():
         if not any(pattern in name for name, _ in named):
             log.warning("warning: exclude_from_weight_decay pattern %r matches no parameter "
                         "(names look like %r)", pattern, named[0][0] if named else "")

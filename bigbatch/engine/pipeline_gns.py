@@ -84,7 +84,6 @@ class PipelineNorms:
         self.preconditioned = preconditioned
         self._groups = param_group_of(run.optimizer)
         device = run.world.device
-        rank = dist.get_rank()
         tied = {name: group for name, group in pipe.tied}
         named = dict(run.module.named_parameters())
         self._tied: list[tuple[torch.Tensor, Any, bool]] = []
@@ -97,7 +96,7 @@ class PipelineNorms:
                 continue
             if name in tied:
                 group = tied[name]
-                counts = rank == min(dist.get_process_group_ranks(group))
+                counts = name in pipe.tied_counted
                 self._tied.append((p, group, counts))
                 p.register_hook(self._keeper(p))
             else:

@@ -70,6 +70,9 @@ class PipelineRunner:
         """What the training schedule runs: `_chunks`, or DDP around each (`replicate`)."""
         self.is_first = 0 in self.stage_ids
         self.is_last = self.num_stages - 1 in self.stage_ids
+        self.tied_counted: set[str] = set()
+        """Names in `tied` whose first holder is this rank: a whole-model sum over stages
+        (a gradient norm) counts a tied weight there only."""
         self.tied = self._tie_groups(ties)
         """(name in `module`, process group of its holders) of this rank's weights tied to
         other ranks' stages; their gradients are summed over the group after backward."""
@@ -119,6 +122,8 @@ class PipelineRunner:
                     group = dist.new_group(ranks)
                     if self.mesh.world.rank in ranks:
                         mine.append((local[id(param)], group))
+                        if self.mesh.world.rank == ranks[0]:
+                            self.tied_counted.add(local[id(param)])
         return mine
 
     def replicate(self, device: torch.device, bucket_cap_mb: float = 25.0) -> None:
@@ -153,9 +158,7 @@ class PipelineRunner:
         stages (sharded gradients taken whole), summed over the pipeline in one all-reduce;
         a weight tied across stages counts on its first holder only. For clipping and the
         logged grad norm."""
-        rank = dist.get_rank()
-        others = {name for name, group in self.tied
-                  if rank != min(dist.get_process_group_ranks(group))}
+        others = {name for name, _ in self.tied} - self.tied_counted
         grads = [p.grad for name, p in self.module.named_parameters()
                  if p.grad is not None and name not in others]
         if grads:

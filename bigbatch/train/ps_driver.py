@@ -123,11 +123,10 @@ class Driver:
         """A signal: checkpoint this step (every server's state, every worker's position),
         tell the workers to stop, and raise `Stopped` on the way out (`Job.stopped`)."""
         self.server.finish()  # no later push is applied; its reply says stop
-        path = self.checkpoint()
+        step, path = self.checkpoint()
         release()
         self.bar.close()
         self.writer.close()
-        step = int(path.stem.removeprefix("step-"))
         self.job.stopped = Stopped(self.signal, step, path)
         return {"stopped": self.signal, "step": step}
 
@@ -185,10 +184,12 @@ class Driver:
         self.bar.print(f"epoch {self.epoch:.2f} step {step}: test {shown}")
         return metrics
 
-    def checkpoint(self) -> Path:
+    def checkpoint(self) -> tuple[int, Path]:
+        """Save every server's state now; (its step, its path)."""
         payload = self.job.checkpoint_payload(self.run, self.server, self)
-        return save_checkpoint(Path(self.job.config.out), payload["step"], payload,
+        path = save_checkpoint(Path(self.job.config.out), payload["step"], payload,
                                keep=self.job.config.keep_checkpoints, files=self.job.files)
+        return payload["step"], path
 
 
 def write_recorded(files: Any, path: Path, text: str) -> None:
