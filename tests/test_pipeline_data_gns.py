@@ -25,8 +25,9 @@ import json
 import pytest
 import torch
 from _dist import run_workers
-from test_pipeline_gns import CASES, TINY, build, record, token_loss, tokens
+from test_pipeline_gns import CASES, TINY, build, record, references, token_loss, tokens
 from test_pipeline_gns import make_strategy as gns_strategy
+from test_sharded_train import STRATEGY
 
 from bigbatch.config.strategy import Strategy
 from bigbatch.engine.local_norms import preconditioned_grads
@@ -105,12 +106,8 @@ def _single(optimizer: str = "momentum", lr: str = "none"):
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    torch.set_default_dtype(torch.float64)
-    try:
-        single = {"momentum": _single(), "adamw": _single("adamw", "adascale")}
-    finally:
-        torch.set_default_dtype(torch.float32)
-    return single, run_workers(_worker, 4, (CASES,), timeout=300, init_group=True)
+    return references(_single), run_workers(_worker, 4, (CASES,), timeout=300,
+                                            init_group=True)
 
 
 def test_reference_small_norm_is_not_micro_step_0_alone(four_ranks):
@@ -184,26 +181,9 @@ def test_main_job_writes_the_noise_scale(tmp_path):
     assert (summary["world_size"], summary["micro_batch_size"]) == (4, 8)
 
 
-JOB = """
-[batch]
-global_batch_size = 32
-base_batch_size = 16
-base_lr = 0.002
-scaling = "sqrt"
-warmup_steps = 2
-
-[optimizer]
-type = "adamw"
-weight_decay = 0.0
-epsilon = 1e-6
-
-[lamb]
-lamb_weight_decay = 0.01
-exclude_from_weight_decay = ["norm", "bias"]
-
-[adaptive]
-noise_scale = true
-"""
+# test_sharded_train's charlm LAMB run, without its merge, with the noise scale on.
+JOB = (STRATEGY.replace("[gradient_merge]\nk_steps = 2\n", "")
+       + "\n[adaptive]\nnoise_scale = true\n")
 SINGLE = JOB + "\n[gradient_merge]\nk_steps = 2\n"
 PP2_DP2 = JOB + "\n[pipeline]\npp_degree = 2\naccumulate_steps = 2\n"
 

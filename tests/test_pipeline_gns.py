@@ -116,14 +116,19 @@ CASES = [("gpipe", {"pp_degree": 2, "schedule_mode": "GPipe"}, "momentum", "none
          ("1f1b-adamw-adascale", {"pp_degree": 2}, "adamw", "adascale")]
 
 
-@pytest.fixture(scope="module")
-def two_ranks():
+def references(single) -> dict:
+    """`single(optimizer, lr)`'s one-process runs in float64, by optimizer."""
     torch.set_default_dtype(torch.float64)
     try:
-        single = {"momentum": _single(), "adamw": _single("adamw", "adascale")}
+        return {"momentum": single(), "adamw": single("adamw", "adascale")}
     finally:
         torch.set_default_dtype(torch.float32)
-    return single, run_workers(_pipeline_worker, 2, (CASES,), timeout=240, init_group=True)
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return references(_single), run_workers(_pipeline_worker, 2, (CASES,), timeout=240,
+                                            init_group=True)
 
 
 def _by_hand(tie: bool = True) -> tuple[float, float, float, float]:
