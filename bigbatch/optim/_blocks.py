@@ -27,6 +27,11 @@ from ._base import dense
 # 32 MiB L3, while the per-block ops (stack, rule, tolist) stay negligible.
 BLOCK = 1 << 20
 
+# Below this many elements a tensor's step costs dispatch (a few microseconds a
+# call), not memory time: such tensors are stepped a block at a time with
+# multi-tensor calls rather than one fused call each.
+SMALL = 1 << 15
+
 
 def blocks(tensors: list[torch.Tensor], size: int = BLOCK) -> Iterator[list[int]]:
     """Indices of consecutive runs of ``tensors`` of one (device, dtype), at most

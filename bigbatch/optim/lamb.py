@@ -28,10 +28,10 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from ._base import LayerwiseOptimizer, fusable, in_param_order
-from ._lamb_cpu import LambScratch, lamb_step_per_tensor
+from ._lamb_cpu import LambScratch, adam_into, lamb_group_per_tensor, step_counts
 from ._norms import by_device_and_dtype, global_norm, local, stack, whole_norms
 from ._params import check_range
-from ._steps import adam_direction, clip_coefficient, lamb_trust_ratio, no_bias_correction_step
+from ._steps import adam_direction, clip_coefficient, lamb_trust_ratio
 
 __all__ = ["LAMB"]
 
@@ -88,9 +88,16 @@ class LAMB(LayerwiseOptimizer):
         return max((p.numel() for g in self.param_groups for p in g["params"]
                     if p.dtype == dtype and p.device == device), default=0)
 
-    def _state(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(step, exp_avg, exp_avg_sq) of ``w``, the moments as local tensors."""
+    def _state(self, w: torch.Tensor, plain: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(step, exp_avg, exp_avg_sq) of ``w``, the moments as local tensors.
+
+        ``plain``: ``w`` is known not to be a DTensor (the per-tensor kernel),
+        so the lookups skip unwrapping.
+        """
         state = self.state[w]
+        if plain and state and state["step"].device == w.device:
+            return state["step"], state["exp_avg"], state["exp_avg_sq"]
         here = local(w).device
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=here)
@@ -119,13 +126,11 @@ class LAMB(LayerwiseOptimizer):
             self._clip_gradients(work, kernel)
         if kernel == "per_tensor":
             for group, params in work:
-                for w in params:
-                    step, m, v = self._state(w)
-                    step += 1
-                    ratio = lamb_step_per_tensor(self._scratch, group, w, step, m, v,
-                                                 self._adapts(group))
-                    if ratios is not None:
-                        ratios.append(ratio)
+                done = lamb_group_per_tensor(self._scratch, group, params,
+                                             [self._state(w, plain=True) for w in params],
+                                             self._adapts(group))
+                if ratios is not None:
+                    ratios.extend(done)
             return
         # (group, its bucket's parameters, their updates u), buckets in group order.
         pending = []
@@ -174,7 +179,6 @@ class LAMB(LayerwiseOptimizer):
 
     def _multi_tensor_direction(self, group, params) -> list[torch.Tensor]:
         """``u`` for one (device, dtype) bucket: fused Adam over lists, then weight decay."""
-        beta1, beta2 = group["betas"]
         states = [self._state(w) for w in params]
         steps = [s for s, _, _ in states]
         torch._foreach_add_(steps, 1)
@@ -183,14 +187,8 @@ class LAMB(LayerwiseOptimizer):
         # The fused kernel walks raw memory: the gradient must share the buffers' layout.
         gs = [g if fusable(u, g) else torch.empty_like(u).copy_(g)
               for u, g in zip(us, (local(w.grad) for w in params), strict=True)]
-        ms = [m for _, m, _ in states]
-        vs = [v for _, _, v in states]
-        counts = steps if group["bias_correction"] else [
-            no_bias_correction_step(s.device) for s in steps]
-        torch._foreach_zero_(us)
-        # lr = -1 on a zero "parameter" leaves exactly r = m_hat / (sqrt(v_hat) + eps) in u.
-        torch._fused_adam_(us, gs, ms, vs, [], counts, lr=-1.0, beta1=beta1, beta2=beta2,
-                           weight_decay=0.0, eps=group["eps"], amsgrad=False, maximize=False)
+        adam_into(us, gs, [m for _, m, _ in states], [v for _, _, v in states],
+                  step_counts(group, steps), group)
         if group["weight_decay"]:
             torch._foreach_add_(us, ws, alpha=group["weight_decay"])
         return us
