@@ -244,3 +244,56 @@ def test_auto_picks_per_tensor_on_cpu():
     assert LARS([p], fast=False)._choose_kernel([p]) == "reference"
     q = nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
     assert opt._choose_kernel([q]) == "reference"
+
+
+# ------------------------------------- every CPU path at once, with the sizes made tiny
+
+
+def mixed_params(seed=3):
+    """Tensors of every size class and layout, in one list."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=F64)
+
+    return [
+        nn.Parameter(rand(5)),                                        # small
+        nn.Parameter(rand(6, 4).t()),                                 # small, transposed
+        nn.Parameter(rand(2, 3, 2, 2).to(memory_format=torch.channels_last)),  # small
+        nn.Parameter(rand(30)),                                       # small, next block
+        nn.Parameter(rand(12, 10)),                                   # whole
+        nn.Parameter(rand(9, 50).t()),                                # chunked, transposed
+        nn.Parameter(rand(4, 3, 5, 5).to(memory_format=torch.channels_last)),  # chunked
+        nn.Parameter(rand(6, 40)[:, ::2]),                            # non-dense
+        nn.Parameter(torch.zeros(7, 7, dtype=F64)),                   # zero norm
+    ]
+
+
+@pytest.mark.parametrize("cls,kw", LAYOUT_CONFIGS + [OPTION_CONFIGS[-1]],
+                         ids=["LARS", "LARS-nesterov", "LAMB", "LAMB-clip"])
+def test_mixed_sizes_take_every_cpu_path_and_match_reference(cls, kw, monkeypatch):
+    """Blocks of small tensors, whole tensors, chunks with a ragged last one, a
+    non-dense view: the per-tensor kernel equals the reference on all at once."""
+    from bigbatch.optim import _blocks, _lamb_cpu
+
+    monkeypatch.setattr(_blocks, "BLOCK", 40)
+    monkeypatch.setattr(_blocks, "DOT_MIN", 16)
+    monkeypatch.setattr(_lamb_cpu, "SMALL", 32)
+    monkeypatch.setattr(_lamb_cpu, "WHOLE", 200)
+    monkeypatch.setattr(_lamb_cpu, "CHUNK", 64)
+    runs = []
+    for kernel in ("reference", "per_tensor"):
+        params = mixed_params()
+        opt = cls(params, kernel=kernel, **kw)
+        opt.track_trust_ratios = True
+        for t in range(4):
+            for p, grad in zip(params, grads_like(params, t), strict=True):
+                set_grad(p, grad, "like_param")
+            opt.step()
+        runs.append((params, opt.trust_ratios()))
+    (ref, ref_ratios), (fast, fast_ratios) = runs
+    for i, (a, b, start) in enumerate(zip(ref, fast, mixed_params(), strict=True)):
+        assert b.stride() == start.stride(), i
+        torch.testing.assert_close(b - start, a - start, rtol=1e-12, atol=1e-15, msg=str(i))
+    torch.testing.assert_close(fast_ratios, ref_ratios, rtol=1e-10, atol=1e-15)
+    assert not torch.equal(ref[5], mixed_params()[5])

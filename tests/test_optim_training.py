@@ -183,7 +183,9 @@ def test_lamb_fast_float32_reuses_one_scratch_buffer():
     model = nn.Sequential(nn.Linear(6, 40), nn.ReLU(), nn.Linear(40, 3), nn.LayerNorm(3))
     opt = LAMB(model.named_parameters(), lr=0.01, exclude=("bias",), fast=True)
     x = torch.randn(8, 6)
-    biggest = max(p.numel() for p in model.parameters())
+    # sized for the largest tensor or all the small ones stepped together, whichever is more
+    biggest = max(max(p.numel() for p in model.parameters()),
+                  sum(p.numel() for p in model.parameters()))
     seen = set()
     for _ in range(3):
         opt.zero_grad()

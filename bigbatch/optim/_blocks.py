@@ -33,9 +33,10 @@ BLOCK = 1 << 20
 SMALL = 1 << 15
 
 
-def blocks(tensors: list[torch.Tensor], size: int = BLOCK) -> Iterator[list[int]]:
+def blocks(tensors: list[torch.Tensor], size: int | None = None) -> Iterator[list[int]]:
     """Indices of consecutive runs of ``tensors`` of one (device, dtype), at most
-    ``size`` elements each; a tensor larger than ``size`` is a run by itself."""
+    ``size`` (default ``BLOCK``) elements each; a larger tensor is a run by itself."""
+    size = BLOCK if size is None else size
     run: list[int] = []
     total = 0
     kind = None

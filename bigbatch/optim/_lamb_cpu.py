@@ -52,12 +52,12 @@ State = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 class LambScratch:
     """One flat update buffer reused by every tensor.
 
-    ``largest(dtype, device)`` gives the size to allocate: the optimizer's
-    largest parameter of that kind, so the buffer is allocated once.
+    ``size(dtype, device)`` gives the size to allocate: the most any tensor or
+    block of small tensors of that kind needs, so the buffer is allocated once.
     """
 
-    def __init__(self, largest: Callable[[torch.dtype, torch.device], int]):
-        self.largest = largest
+    def __init__(self, size: Callable[[torch.dtype, torch.device], int]):
+        self.size = size
         self.buffer: torch.Tensor | None = None
 
     def views(self, ws: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -66,7 +66,7 @@ class LambScratch:
         total = sum(w.numel() for w in ws)
         s = self.buffer
         if s is None or s.numel() < total or s.dtype != first.dtype or s.device != first.device:
-            size = max(total, self.largest(first.dtype, first.device))
+            size = max(total, self.size(first.dtype, first.device))
             s = self.buffer = torch.empty(size, dtype=first.dtype, device=first.device)
         out = []
         offset = 0

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from ._base import LayerwiseOptimizer, fusable, in_param_order
+from ._blocks import BLOCK, SMALL
 from ._lamb_cpu import LambScratch, adam_into, lamb_group_per_tensor, step_counts
 from ._norms import by_device_and_dtype, global_norm, local, stack, whole_norms
 from ._params import check_range
@@ -82,11 +83,15 @@ class LAMB(LayerwiseOptimizer):
                         always_adapt=always_adapt)
         self.max_grad_norm = max_grad_norm
         super().__init__(params, defaults, exclude, fast, kernel)
-        self._scratch = LambScratch(self._largest)
+        self._scratch = LambScratch(self._scratch_size)
 
-    def _largest(self, dtype: torch.dtype, device: torch.device) -> int:
-        return max((p.numel() for g in self.param_groups for p in g["params"]
-                    if p.dtype == dtype and p.device == device), default=0)
+    def _scratch_size(self, dtype: torch.dtype, device: torch.device) -> int:
+        """Elements the per-tensor kernel's scratch needs for this kind: the largest
+        tensor, or a block of small tensors stepped together, whichever is more."""
+        sizes = [p.numel() for g in self.param_groups for p in g["params"]
+                 if p.dtype == dtype and p.device == device]
+        small = sum(n for n in sizes if n < SMALL)
+        return max(max(sizes, default=0), min(small, BLOCK))
 
     def _state(self, w: torch.Tensor, plain: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
