@@ -26,11 +26,13 @@ class LayerwiseOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     Kernels (``kernel=``):
 
     - ``"reference"``: the readable per-tensor loop, the spec (``fast=False``);
-    - ``"per_tensor"``: torch's fused CPU kernels one tensor at a time, taken in
-      cache-sized blocks (norms by dot products, read to the host once per
-      block, trust-ratio rules on Python floats; see ``_blocks``); fastest on CPU. Tensors whose layout the fused kernels cannot
-      take (non-dense views, gradients or state laid out unlike the parameter)
-      take the reference kernel. DTensor parameters use ``"multi_tensor"``;
+    - ``"per_tensor"``: torch's fused CPU kernels one tensor at a time (small
+      tensors a block at a time in one multi-tensor call), norms read to the
+      host once per tensor or block, trust-ratio rules on Python floats (see
+      ``_blocks`` and ``_lamb_cpu``); fastest on CPU. Tensors whose layout the
+      fused kernels cannot take (non-dense views, gradients or state laid out
+      unlike the parameter) take the reference kernel. DTensor parameters use
+      ``"multi_tensor"``;
     - ``"multi_tensor"``: lists of tensors per (device, dtype), norms and trust
       ratios kept as tensors: no host synchronisation, capturable in a CUDA
       graph, and whole-tensor norms for DTensor (FSDP2, tensor parallel) shards;

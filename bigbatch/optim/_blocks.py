@@ -16,6 +16,7 @@ a host read costs nothing on CPU, and the fused kernels take Python floats.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
@@ -53,7 +54,7 @@ def blocks(tensors: list[torch.Tensor], size: int | None = None) -> Iterator[lis
 
 
 # Below this many elements a tensor's norm is mostly dispatch: those of a block
-# go through one ``torch._foreach_norm`` call instead of a dot product each.
+# go through one ``torch._foreach_norm`` call instead of a reduction each.
 DOT_MIN = 1 << 15
 
 
@@ -64,24 +65,29 @@ def memory_order(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((t.numel(),), (1,), t.storage_offset())
 
 
-def norms(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of each tensor, as one 1-d tensor.
+def host_norms(tensors: list[torch.Tensor], extra: list[torch.Tensor] = ()
+               ) -> tuple[list[float], list[float]]:
+    """L2 norm of each tensor as Python floats, and the values of the 0-d
+    tensors ``extra``, read to the host together (all of one dtype).
 
-    Large dense tensors use a BLAS dot product over their memory: on CPU about
-    20 % faster than torch's norm reduction, and in float32 no less accurate
-    (its partial sums are blocked too); underflow and overflow are those of
-    the norm reduction, which also squares elements in the tensor's dtype.
-    Small or non-dense tensors share one ``torch._foreach_norm`` call.
+    A large dense tensor's squared norm is a BLAS dot product over its memory
+    (on CPU about 20 % faster than torch's norm reduction, and in float32 no
+    less accurate: its partial sums are blocked too), its root taken on the
+    host; underflow and overflow are those of the norm reduction, which also
+    squares elements in the tensor's dtype. Small or non-dense tensors share
+    one ``torch._foreach_norm`` call.
     """
-    out: list = [None] * len(tensors)
-    rest = []
+    pieces: list[torch.Tensor] = []
+    small = []
     for i, t in enumerate(tensors):
         if t.numel() >= DOT_MIN and dense(t):
             flat = memory_order(t)
-            out[i] = torch.dot(flat, flat).sqrt()
+            pieces.append(torch.dot(flat, flat))
         else:
-            rest.append(i)
-    if rest:
-        for i, n in zip(rest, torch._foreach_norm([tensors[i] for i in rest]), strict=True):
-            out[i] = n
-    return torch.stack(out)
+            small.append(i)
+    squared = len(pieces)
+    pieces += torch._foreach_norm([tensors[i] for i in small]) if small else []
+    values = torch.stack(pieces + list(extra)).tolist()
+    big, rest, in_small = iter(values[:squared]), iter(values[squared:]), set(small)
+    out = [next(rest) if i in in_small else math.sqrt(next(big)) for i in range(len(tensors))]
+    return out, values[squared + len(small):]

@@ -2,14 +2,18 @@
 
 A two-pass LAMB must move at least 40 bytes per fp32 parameter (AdamW: 28):
 the first pass reads ``g, m, v, w`` and writes ``m, v, u``; the second reads
-``w, u`` and writes ``w``. Written as whole-tensor torch calls it moves more,
-because ``u += weight_decay * w`` and the two norms each sweep memory again.
-Here the first pass runs chunk by chunk: torch's fused Adam kernel writes a
-chunk of ``r`` into the scratch buffer, then the weight decay and the chunk's
-squared norms of ``w`` and ``u`` are taken while both chunks are still in
-cache (dot products, ``_blocks.norms``), and the trust ratio on Python
-floats (one host read per tensor: free on CPU). Only then, with the whole
-norms known, does ``w -= lr * ratio * u`` sweep the tensor once more.
+``w, u`` and writes ``w``. Here the first pass is torch's fused Adam kernel
+run on a scratch buffer that already holds ``weight_decay * w`` (so it
+leaves ``u = r + weight_decay * w``), then the squared norms of ``w`` and
+``u`` as BLAS dot products while both are still in cache, read to the host
+together (one host read per tensor: free on CPU), and the trust ratio on
+Python floats. Only then, with the whole norms known, does
+``w -= lr * ratio * u`` sweep the tensor once more.
+
+On CPU each of these calls is a parallel region, whose start and join cost
+more than cache misses on tensors of a few MiB: such tensors take every
+pass whole. Only tensors above ``WHOLE`` elements (embedding tables) run the
+first pass chunk by chunk, so that the norms find their chunk in cache.
 
 Small tensors (biases, norm layers, small convolutions: most of a CNN's
 tensors, a few per cent of its elements) cost dispatch, not memory. They are
@@ -33,7 +37,7 @@ from collections.abc import Callable
 import torch
 
 from ._base import fusable
-from ._blocks import SMALL, blocks, memory_order, norms
+from ._blocks import SMALL, blocks, host_norms, memory_order
 from ._steps import adam_direction, lamb_trust_ratio, no_bias_correction_step
 
 # Tensors up to WHOLE elements take each pass whole; larger ones (embedding
@@ -154,11 +158,11 @@ def _one_tensor(scratch: LambScratch, group: dict, w: torch.Tensor, step: torch.
         if wd:
             u.add_(w, alpha=wd)
         if adapt:
-            w_norm, u_norm = norms([w, u]).tolist()
+            (w_norm, u_norm), _ = host_norms([w, u])
     else:
         (u,) = scratch.views([w])
         count = step_counts(group, [step])
-        squares: list[float] = []
+        squares: list[torch.Tensor] = []
         for uc, gc, mc, vc, wc in _chunks(u, g, m, v, w):
             # u starts as weight_decay * w; the fused kernel then adds r
             # (lr = -1 on the "parameter" u), so u = r + weight_decay * w in one sweep.
@@ -171,9 +175,10 @@ def _one_tensor(scratch: LambScratch, group: dict, w: torch.Tensor, step: torch.
                                maximize=False)
             if adapt:  # while the chunks are in cache; a BLAS dot beats the norm reduction
                 wf, uf = memory_order(wc), memory_order(uc)
-                squares += (torch.dot(wf, wf).item(), torch.dot(uf, uf).item())
-        if adapt:  # the chunks' squares add up on the host
-            w_norm, u_norm = math.sqrt(sum(squares[0::2])), math.sqrt(sum(squares[1::2]))
+                squares += (torch.dot(wf, wf), torch.dot(uf, uf))
+        if adapt:  # one host read; the chunks' squares add up on the host
+            values = torch.stack(squares).tolist()
+            w_norm, u_norm = math.sqrt(sum(values[0::2])), math.sqrt(sum(values[1::2]))
     ratio = lamb_trust_ratio(w_norm, u_norm, group["trust_clip"]) if adapt else 1.0
     w.sub_(u, alpha=lr * ratio)
     return ratio

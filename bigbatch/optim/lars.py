@@ -25,8 +25,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from ._base import LayerwiseOptimizer, as_state_tensor, fusable, in_param_order
-from ._blocks import blocks
-from ._blocks import norms as block_norms
+from ._blocks import blocks, host_norms
 from ._norms import by_device_and_dtype, local, stack, whole_norms
 from ._params import check_range
 from ._steps import lars_local_lr, lars_momentum_coefficients, lars_reference_update
@@ -143,55 +142,55 @@ class LARS(LayerwiseOptimizer):
                 if ratios is not None:
                     ratios.append(local_lr / lr if adapt and lr > 0 else 1.0)
 
+    def _plain_state(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_state`` for a tensor known not to be a DTensor, with the lookups short."""
+        state = self.state[w]
+        if state:
+            prev = state["local_lr"]
+            if type(prev) is torch.Tensor and prev.dtype == w.dtype and prev.device == w.device:
+                return state["momentum_buffer"], prev
+        return self._state(w)
+
     def _per_tensor_group(self, group, params, ratios) -> None:
         """One group of plain tensors, a cache-sized block at a time (see ``_blocks``).
 
-        Per block: the norms of ``w`` and ``g`` by dot products and the stored
+        Per block: the norms of ``w`` and ``g`` (``host_norms``) and the stored
         ``local_lr`` values, read to the host together; ``lars_local_lr`` on
         Python floats; then torch's fused SGD tensor by tensor while the block
         is still in cache (the reference update where it cannot apply).
         """
         lr = float(group["lr"])
         adapt = self._adapts(group)
-        coeff, wd, eps, clip = (group["trust_coefficient"], group["weight_decay"],
-                                group["eps"], group["trust_clip"])
+        mu, wd, nesterov = group["momentum"], group["weight_decay"], group["nesterov"]
+        coeff, eps, clip = group["trust_coefficient"], group["eps"], group["trust_clip"]
+        states = [self._plain_state(w) for w in params]
         for idx in blocks(params):
             block = [params[i] for i in idx]
-            states = [self._state(w) for w in block]
-            prev_ts = [p for _, p in states]
+            prev_ts = [states[i][1] for i in idx]
+            k = len(block)
             if adapt:
-                k = len(block)
-                n = block_norms(block + [w.grad for w in block])
-                values = torch.cat([n, torch.stack(prev_ts).to(n.dtype)]).tolist()
+                n, prevs = host_norms(block + [w.grad for w in block], prev_ts)
                 local_lrs = [lars_local_lr(lr, coeff, wn, gn, wd, eps, clip)
-                             for wn, gn in zip(values[:k], values[k: 2 * k], strict=True)]
-                prevs = values[2 * k:]
+                             for wn, gn in zip(n[:k], n[k:], strict=True)]
             else:
-                local_lrs = [lr] * len(block)
                 prevs = torch.stack(prev_ts).tolist()
-            units = [self._per_tensor(group, w, b, local_lr, prev)
-                     for w, (b, _), local_lr, prev in zip(block, states, local_lrs, prevs,
-                                                          strict=True)]
+                local_lrs = [lr] * k
+            units = []
+            for i, local_lr, prev in zip(idx, local_lrs, prevs, strict=True):
+                w = params[i]
+                g, b = w.grad, states[i][0]
+                if local_lr and not nesterov and fusable(w, g, b):
+                    carry = mu * prev / local_lr
+                    # The kernel wants momentum > 0; with carry 0 its first-step mode sets b = d.
+                    torch._fused_sgd_([w], [g], [b], weight_decay=wd, momentum=carry or 1.0,
+                                      lr=local_lr, dampening=0.0, nesterov=False,
+                                      maximize=False, is_first_step=carry == 0.0)
+                    units.append(local_lr)
+                else:
+                    units.append(lars_reference_update(w, g, b, local_lr, prev, mu, wd, nesterov))
             torch._foreach_copy_(prev_ts, torch.tensor(units, dtype=prev_ts[0].dtype).unbind())
             if ratios is not None:
                 ratios.extend(x / lr if adapt and lr > 0 else 1.0 for x in local_lrs)
-
-    @staticmethod
-    def _per_tensor(group, w, b, local_lr: float, prev: float) -> float:
-        """One plain tensor: torch's fused SGD where it applies, else the reference.
-
-        Returns the buffer's new unit.
-        """
-        g = w.grad
-        if local_lr and not group["nesterov"] and fusable(w, g, b):
-            carry = group["momentum"] * prev / local_lr
-            # The kernel wants momentum > 0; with carry 0 its first-step mode sets b = d.
-            torch._fused_sgd_([w], [g], [b], weight_decay=group["weight_decay"],
-                              momentum=carry or 1.0, lr=local_lr, dampening=0.0,
-                              nesterov=False, maximize=False, is_first_step=carry == 0.0)
-            return local_lr
-        return lars_reference_update(w, g, b, local_lr, prev, group["momentum"],
-                                     group["weight_decay"], group["nesterov"])
 
     def _multi_tensor(self, group, params, w_norms, g_norms) -> torch.Tensor:
         """One (device, dtype) bucket with foreach ops; nothing read to the host.
