@@ -8,7 +8,7 @@ offers (fused, foreach, for-loop), and torch_optimizer.Lamb when installed.
 LARS and LAMB run in each kernel mode (per_tensor, multi_tensor, reference).
 
     python benchmarks/optim_step.py [--model resnet50|bert|bert-large|both]
-        [--device cpu|cuda] [--rounds 15]
+        [--device cpu|cuda] [--rounds 15] [--threads N]
 
 Prints the median milliseconds per step and ratios: LAMB against AdamW and
 LARS against SGD, each against the fastest mode of the baseline. On CUDA each
@@ -147,7 +147,14 @@ def main() -> None:
                     default="both")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="CPU threads (default: torch's). With 1 thread memory bandwidth "
+                         "stops being the limit, and the ratios show the extra compute")
     args = ap.parse_args()
+    if args.rounds < 1 or args.threads < 0:
+        ap.error("--rounds must be >= 1 and --threads >= 0")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.model in ("resnet50", "both"):
         report("ResNet-50-shaped", resnet50_shapes(), args.rounds, args.device)
     if args.model in ("bert", "both"):
