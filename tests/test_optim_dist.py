@@ -19,6 +19,8 @@ from torch import nn
 from bigbatch.optim import LAMB, LARS
 
 STEPS = 10
+# "auto" is the per-tensor kernel on CPU: torch's fused kernels on each local shard.
+KERNELS = ("auto", "multi_tensor")
 EXCLUDE = ("bias", "3.")  # biases and the LayerNorm: excluded groups exist
 
 CASES = {
@@ -64,44 +66,46 @@ def _worker(family):
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2,))
     results = []
-    for dtype in (torch.float64, torch.float32):
-        for mode in ("fsdp", "tp"):
-            for cls, kw in CASES[family]:
-                model = mlp(dtype)
-                single = copy.deepcopy(model)
-                if mode == "fsdp":
-                    fully_shard(model[0], mesh=mesh)
-                    fully_shard(model[2], mesh=mesh)
-                    fully_shard(model, mesh=mesh)
-                else:
-                    parallelize_module(model, mesh, {"0": ColwiseParallel(),
-                                                     "2": RowwiseParallel()})
-                assert any(isinstance(p, DTensor) for p in model.parameters())
-                opt = cls(model.named_parameters(), exclude=EXCLUDE, **kw)
-                single_opt = cls(single.named_parameters(), exclude=EXCLUDE,
-                                 kernel="reference", **kw)
-                counts = []
-                for t in range(STEPS):
-                    x, y = data(dtype, t)
-                    # FSDP is data parallel: each rank takes half the batch, gradients average.
-                    xs, ys = (x.chunk(2)[rank], y.chunk(2)[rank]) if mode == "fsdp" else (x, y)
-                    F.mse_loss(model(xs), ys).backward()
-                    with CountCollectives() as c:
-                        opt.step()
-                    counts.append(c.calls)
-                    opt.zero_grad()
-                    F.mse_loss(single(x), y).backward()
-                    single_opt.step()
-                    single_opt.zero_grad()
-                diffs = {}
-                for (name, p), q in zip(model.named_parameters(), single.parameters(),
-                                        strict=True):
-                    full = p.full_tensor() if isinstance(p, DTensor) else p
-                    assert not torch.equal(q, mlp(dtype).state_dict()[name]), name
-                    diffs[name] = ((full - q).abs().max().item(), q.abs().max().item())
-                results.append(dict(mode=mode, dtype=str(dtype), cls=cls.__name__, kw=kw,
-                                    diffs=diffs, counts=counts))
-                del model, opt, single, single_opt
+    cases = [(dtype, mode, kernel, cls, kw) for dtype in (torch.float64, torch.float32)
+             for mode in ("fsdp", "tp") for kernel in KERNELS for cls, kw in CASES[family]]
+    for dtype, mode, kernel, cls, kw in cases:
+        model = mlp(dtype)
+        single = copy.deepcopy(model)
+        if mode == "fsdp":
+            fully_shard(model[0], mesh=mesh)
+            fully_shard(model[2], mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        else:
+            parallelize_module(model, mesh, {"0": ColwiseParallel(),
+                                             "2": RowwiseParallel()})
+        assert any(isinstance(p, DTensor) for p in model.parameters())
+        opt = cls(model.named_parameters(), exclude=EXCLUDE, kernel=kernel, **kw)
+        assert opt._choose_kernel(list(model.parameters())) == (
+            "per_tensor" if kernel == "auto" else kernel)
+        single_opt = cls(single.named_parameters(), exclude=EXCLUDE,
+                         kernel="reference", **kw)
+        counts = []
+        for t in range(STEPS):
+            x, y = data(dtype, t)
+            # FSDP is data parallel: each rank takes half the batch, gradients average.
+            xs, ys = (x.chunk(2)[rank], y.chunk(2)[rank]) if mode == "fsdp" else (x, y)
+            F.mse_loss(model(xs), ys).backward()
+            with CountCollectives() as c:
+                opt.step()
+            counts.append(c.calls)
+            opt.zero_grad()
+            F.mse_loss(single(x), y).backward()
+            single_opt.step()
+            single_opt.zero_grad()
+        diffs = {}
+        for (name, p), q in zip(model.named_parameters(), single.parameters(),
+                                strict=True):
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            assert not torch.equal(q, mlp(dtype).state_dict()[name]), name
+            diffs[name] = ((full - q).abs().max().item(), q.abs().max().item())
+        results.append(dict(mode=mode, dtype=str(dtype), cls=cls.__name__, kw=kw,
+                            kernel=kernel, diffs=diffs, counts=counts))
+        del model, opt, single, single_opt
     return results
 
 
@@ -117,8 +121,8 @@ def test_sharded_and_tensor_parallel_equal_single_process(dist_results):
     for case in per_rank[0]:
         tol = 1e-10 if case["dtype"] == "torch.float64" else 1e-5
         for name, (diff, scale) in case["diffs"].items():
-            assert diff <= tol * max(1.0, scale), (family, case["mode"], case["dtype"],
-                                                   case["kw"], name, diff)
+            assert diff <= tol * max(1.0, scale), (family, case["mode"], case["kernel"],
+                                                   case["dtype"], case["kw"], name, diff)
 
 
 def test_one_all_reduce_per_step_for_all_tensors(dist_results):
@@ -128,4 +132,5 @@ def test_one_all_reduce_per_step_for_all_tensors(dist_results):
             # TP's LayerNorm is a plain tensor and row-wise biases are replicated: only the
             # sharded tensors are reduced, all in one call. LAMB's clipping adds one.
             expected = 1 + (case["kw"].get("max_grad_norm") is not None)
-            assert case["counts"] == [expected] * STEPS, (family, case["mode"], case["counts"])
+            assert case["counts"] == [expected] * STEPS, (family, case["mode"], case["kernel"],
+                                                          case["counts"])

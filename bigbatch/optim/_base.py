@@ -7,7 +7,6 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ._norms import is_dtensor
 from ._params import split_by_exclusion
 
 # Dtypes torch's fused CPU kernels accept; the per-tensor kernel needs them.
@@ -31,13 +30,15 @@ class LayerwiseOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
       host once per tensor or block, trust-ratio rules on Python floats (see
       ``_blocks`` and ``_lamb_cpu``); fastest on CPU. Tensors whose layout the
       fused kernels cannot take (non-dense views, gradients or state laid out
-      unlike the parameter) take the reference kernel. DTensor parameters use
-      ``"multi_tensor"``;
+      unlike the parameter) take the reference kernel. DTensor parameters
+      (FSDP2, tensor parallel) take the fused kernels on their local shards,
+      after one all-reduce of every tensor's squared norms;
     - ``"multi_tensor"``: lists of tensors per (device, dtype), norms and trust
       ratios kept as tensors: no host synchronisation, capturable in a CUDA
       graph, and whole-tensor norms for DTensor (FSDP2, tensor parallel) shards;
-    - ``"auto"`` (default): ``multi_tensor`` for CUDA and DTensor parameters,
-      ``per_tensor`` for float32/float64 CPU parameters, ``reference`` otherwise.
+    - ``"auto"`` (default): ``multi_tensor`` for CUDA parameters, ``per_tensor``
+      for float32/float64 CPU parameters (DTensor shards included),
+      ``reference`` otherwise.
     """
 
     _name = "optimizer"
@@ -60,12 +61,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._last_ratios: list | None = None
 
     def _choose_kernel(self, params: list[torch.Tensor]) -> str:
-        sharded = any(is_dtensor(p) for p in params)
-        if self.kernel == "per_tensor" and sharded:
-            return "multi_tensor"
         if self.kernel != "auto":
             return self.kernel
-        if sharded or any(p.device.type != "cpu" for p in params):
+        if any(p.device.type != "cpu" for p in params):
             return "multi_tensor"
         if all(p.dtype in _FUSED_DTYPES for p in params):
             return "per_tensor"

@@ -115,6 +115,22 @@ def adam_into(us: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.Ten
                        weight_decay=0.0, eps=group["eps"], amsgrad=False, maximize=False)
 
 
+def direction_into(u: torch.Tensor, w: torch.Tensor, g: torch.Tensor, m: torch.Tensor,
+                   v: torch.Tensor, count: list[torch.Tensor], group: dict) -> None:
+    """``u = r + weight_decay * w`` for same-layout dense tensors, moments updated.
+
+    ``u`` starts as ``weight_decay * w``; torch's fused Adam kernel then adds
+    ``r`` (``lr = -1`` on the "parameter" ``u``), in one sweep over g, m, v, u.
+    """
+    beta1, beta2 = group["betas"]
+    if group["weight_decay"]:
+        torch.mul(w, group["weight_decay"], out=u)
+    else:
+        u.zero_()
+    torch._fused_adam_([u], [g], [m], [v], [], count, lr=-1.0, beta1=beta1, beta2=beta2,
+                       weight_decay=0.0, eps=group["eps"], amsgrad=False, maximize=False)
+
+
 def step_counts(group: dict, steps: list[torch.Tensor]) -> list[torch.Tensor]:
     """What the fused kernel gets as the step: the step, or one that skips bias correction."""
     if group["bias_correction"]:
@@ -164,15 +180,7 @@ def _one_tensor(scratch: LambScratch, group: dict, w: torch.Tensor, step: torch.
         count = step_counts(group, [step])
         squares: list[torch.Tensor] = []
         for uc, gc, mc, vc, wc in _chunks(u, g, m, v, w):
-            # u starts as weight_decay * w; the fused kernel then adds r
-            # (lr = -1 on the "parameter" u), so u = r + weight_decay * w in one sweep.
-            if wd:
-                torch.mul(wc, wd, out=uc)
-            else:
-                uc.zero_()
-            torch._fused_adam_([uc], [gc], [mc], [vc], [], count, lr=-1.0, beta1=beta1,
-                               beta2=beta2, weight_decay=0.0, eps=eps, amsgrad=False,
-                               maximize=False)
+            direction_into(uc, wc, gc, mc, vc, count, group)
             if adapt:  # while the chunks are in cache; a BLAS dot beats the norm reduction
                 wf, uf = memory_order(wc), memory_order(uc)
                 squares += (torch.dot(wf, wf), torch.dot(uf, uf))

@@ -29,8 +29,14 @@ import torch
 
 from ._base import LayerwiseOptimizer, fusable, in_param_order
 from ._blocks import BLOCK, SMALL
-from ._lamb_cpu import LambScratch, adam_into, lamb_group_per_tensor, step_counts
-from ._norms import by_device_and_dtype, global_norm, local, stack, whole_norms
+from ._lamb_cpu import (
+    LambScratch,
+    adam_into,
+    direction_into,
+    lamb_group_per_tensor,
+    step_counts,
+)
+from ._norms import by_device_and_dtype, global_norm, is_dtensor, local, stack, whole_norms
 from ._params import check_range
 from ._steps import adam_direction, clip_coefficient, lamb_trust_ratio
 
@@ -129,7 +135,8 @@ class LAMB(LayerwiseOptimizer):
     def _update(self, work, kernel, ratios):
         if self.max_grad_norm is not None:
             self._clip_gradients(work, kernel)
-        if kernel == "per_tensor":
+        sharded = any(is_dtensor(w) for _, ps in work for w in ps)
+        if kernel == "per_tensor" and not sharded:
             for group, params in work:
                 done = lamb_group_per_tensor(self._scratch, group, params,
                                              [self._state(w, plain=True) for w in params],
@@ -141,9 +148,11 @@ class LAMB(LayerwiseOptimizer):
         pending = []
         buckets = []
         for group, params in work:
-            if kernel == "reference":
+            if kernel != "multi_tensor":  # reference, or fused kernels on DTensor shards
+                direction = (self._fused_direction if kernel == "per_tensor"
+                             else self._reference_direction)
                 buckets.append([[i] for i in range(len(params))])
-                pending += [(group, [w], [self._reference_direction(group, w)]) for w in params]
+                pending += [(group, [w], [direction(group, w)]) for w in params]
             else:
                 buckets.append(by_device_and_dtype(params))
                 pending += [(group, ps, self._multi_tensor_direction(group, ps))
@@ -180,6 +189,18 @@ class LAMB(LayerwiseOptimizer):
                        int(step.item()) if group["bias_correction"] else None)
         if group["weight_decay"]:
             u.add_(local(w), alpha=group["weight_decay"])
+        return u
+
+    def _fused_direction(self, group, w) -> torch.Tensor:
+        """``u`` of one (local) tensor by torch's fused Adam kernel; the reference
+        kernel where the layouts do not let it walk raw memory."""
+        step, m, v = self._state(w)
+        w_, g = local(w), local(w.grad)
+        if not fusable(w_, g, m, v):
+            return self._reference_direction(group, w)
+        step += 1
+        u = torch.empty_like(m)
+        direction_into(u, w_, g, m, v, step_counts(group, [step]), group)
         return u
 
     def _multi_tensor_direction(self, group, params) -> list[torch.Tensor]:

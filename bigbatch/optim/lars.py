@@ -26,7 +26,7 @@ import torch
 
 from ._base import LayerwiseOptimizer, as_state_tensor, fusable, in_param_order
 from ._blocks import blocks, host_norms
-from ._norms import by_device_and_dtype, local, stack, whole_norms
+from ._norms import by_device_and_dtype, is_dtensor, local, stack, whole_norms
 from ._params import check_range
 from ._steps import lars_local_lr, lars_momentum_coefficients, lars_reference_update
 
@@ -110,7 +110,8 @@ class LARS(LayerwiseOptimizer):
                              group["weight_decay"], group["eps"], group["trust_clip"])
 
     def _update(self, work, kernel, ratios):
-        if kernel == "per_tensor":
+        sharded = any(is_dtensor(w) for _, ps in work for w in ps)
+        if kernel == "per_tensor" and not sharded:
             for group, params in work:
                 self._per_tensor_group(group, params, ratios)
             return
@@ -134,11 +135,12 @@ class LARS(LayerwiseOptimizer):
                 local_lrs = self._local_lrs(group, params, group_norms).tolist()
             else:
                 local_lrs = [lr] * len(params)
+            # reference, or fused kernels on DTensor shards
+            update = self._fused_update if kernel == "per_tensor" else lars_reference_update
             for w, local_lr in zip(params, local_lrs, strict=True):
                 b, prev_t = self._state(w)
-                prev_t.fill_(lars_reference_update(local(w), local(w.grad), b, local_lr,
-                                                   prev_t.item(), group["momentum"],
-                                                   group["weight_decay"], group["nesterov"]))
+                prev_t.fill_(update(local(w), local(w.grad), b, local_lr, prev_t.item(),
+                                    group["momentum"], group["weight_decay"], group["nesterov"]))
                 if ratios is not None:
                     ratios.append(local_lr / lr if adapt and lr > 0 else 1.0)
 
@@ -175,22 +177,26 @@ class LARS(LayerwiseOptimizer):
             else:
                 prevs = torch.stack(prev_ts).tolist()
                 local_lrs = [lr] * k
-            units = []
-            for i, local_lr, prev in zip(idx, local_lrs, prevs, strict=True):
-                w = params[i]
-                g, b = w.grad, states[i][0]
-                if local_lr and not nesterov and fusable(w, g, b):
-                    carry = mu * prev / local_lr
-                    # The kernel wants momentum > 0; with carry 0 its first-step mode sets b = d.
-                    torch._fused_sgd_([w], [g], [b], weight_decay=wd, momentum=carry or 1.0,
-                                      lr=local_lr, dampening=0.0, nesterov=False,
-                                      maximize=False, is_first_step=carry == 0.0)
-                    units.append(local_lr)
-                else:
-                    units.append(lars_reference_update(w, g, b, local_lr, prev, mu, wd, nesterov))
+            units = [self._fused_update(params[i], params[i].grad, states[i][0], local_lr, prev,
+                                        mu, wd, nesterov)
+                     for i, local_lr, prev in zip(idx, local_lrs, prevs, strict=True)]
             torch._foreach_copy_(prev_ts, torch.tensor(units, dtype=prev_ts[0].dtype).unbind())
             if ratios is not None:
                 ratios.extend(x / lr if adapt and lr > 0 else 1.0 for x in local_lrs)
+
+    @staticmethod
+    def _fused_update(w, g, b, local_lr: float, prev: float, momentum: float,
+                      weight_decay: float, nesterov: bool) -> float:
+        """``lars_reference_update`` by torch's fused SGD kernel where it applies
+        (same layouts, ``local_lr > 0``, no Nesterov); returns the buffer's new unit."""
+        if local_lr and not nesterov and fusable(w, g, b):
+            carry = momentum * prev / local_lr
+            # The kernel wants momentum > 0; with carry 0 its first-step mode sets b = d.
+            torch._fused_sgd_([w], [g], [b], weight_decay=weight_decay, momentum=carry or 1.0,
+                              lr=local_lr, dampening=0.0, nesterov=False, maximize=False,
+                              is_first_step=carry == 0.0)
+            return local_lr
+        return lars_reference_update(w, g, b, local_lr, prev, momentum, weight_decay, nesterov)
 
     def _multi_tensor(self, group, params, w_norms, g_norms) -> torch.Tensor:
         """One (device, dtype) bucket with foreach ops; nothing read to the host.
