@@ -8,7 +8,7 @@ offers (fused, foreach, for-loop), and torch_optimizer.Lamb when installed.
 LARS and LAMB run in each kernel mode (per_tensor, multi_tensor, reference).
 
     python benchmarks/optim_step.py [--model resnet50|bert|bert-large|both]
-        [--device cpu|cuda] [--rounds 15] [--threads N]
+        [--device cpu|cuda] [--rounds 15] [--threads N] [--sharded N]
 
 Prints the median milliseconds per step and ratios: LAMB against AdamW and
 LARS against SGD, each against the fastest mode of the baseline. On CUDA each
@@ -55,30 +55,37 @@ def bert_large_shapes() -> list[tuple[int, ...]]:
     return shapes + [(h, h), (h,)]
 
 
-def make_params(shapes, device="cpu", seed=0) -> list[torch.nn.Parameter]:
+def make_params(shapes, device="cpu", seed=0, mesh=None) -> list[torch.nn.Parameter]:
+    """Random weights and gradients; with ``mesh``, DTensors sharded on dim 0 as
+    FSDP2's ``fully_shard`` lays them out."""
     gen = torch.Generator(device=device).manual_seed(seed)
     params = []
     for s in shapes:
-        p = torch.nn.Parameter(torch.randn(s, generator=gen, device=device) * 0.02)
-        p.grad = torch.randn(s, generator=gen, device=device) * 1e-3
+        w = torch.randn(s, generator=gen, device=device) * 0.02
+        g = torch.randn(s, generator=gen, device=device) * 1e-3
+        if mesh is not None:
+            from torch.distributed.tensor import Shard, distribute_tensor
+            w, g = (distribute_tensor(t, mesh, [Shard(0)]) for t in (w, g))
+        p = torch.nn.Parameter(w)
+        p.grad = g
         params.append(p)
     return params
 
 
-def candidates(shapes, device):
-    """(label, family, factory) for every optimizer timed."""
+def candidates(shapes, device, mesh=None):
+    """(label, family, factory) for every optimizer timed (sharded: the fast modes)."""
     def mk(factory):
-        return lambda: factory(make_params(shapes, device))
+        return lambda: factory(make_params(shapes, device, mesh=mesh))
 
     out = []
-    for mode in ("fused", "foreach", "for-loop"):
+    for mode in ("fused", "foreach") + (() if mesh is not None else ("for-loop",)):
         kw = {"fused": {"fused": True}, "foreach": {"foreach": True},
               "for-loop": {"foreach": False}}[mode]
         out.append((f"torch AdamW ({mode})", "adamw",
                     mk(lambda p, kw=kw: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, **kw))))
         out.append((f"torch SGD m=0.9 ({mode})", "sgd",
                     mk(lambda p, kw=kw: torch.optim.SGD(p, lr=0.1, momentum=0.9, **kw))))
-    for kernel in ("per_tensor", "multi_tensor", "reference"):
+    for kernel in ("per_tensor", "multi_tensor") + (() if mesh is not None else ("reference",)):
         fam = "" if kernel != "reference" else "-ref"
         out.append((f"bigbatch LAMB ({kernel})", "lamb" + fam,
                     mk(lambda p, k=kernel: LAMB(p, lr=1e-3, kernel=k))))
@@ -93,16 +100,19 @@ def candidates(shapes, device):
     return out
 
 
-def bench(shapes, rounds: int, device: str) -> dict[str, tuple[str, float]]:
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+def bench(shapes, rounds: int, device: str, mesh=None) -> dict[str, tuple[str, float]]:
+    if mesh is not None:  # every rank starts each step together
+        sync = torch.distributed.barrier
+    else:
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     opts = []
-    for label, family, factory in candidates(shapes, device):
+    for label, family, factory in candidates(shapes, device, mesh):
         try:
             opt = factory()
             opt.step()
             opt.step()
-        except (RuntimeError, TypeError) as exc:  # a mode this build lacks
-            print(f"  skip {label}: {exc}".splitlines()[0])
+        except (RuntimeError, TypeError, NotImplementedError) as exc:  # a mode it lacks
+            say(f"  skip {label}: {exc}".splitlines()[0])
             continue
         opts.append((label, family, opt))
     times: dict[str, list[float]] = {label: [] for label, _, _ in opts}
@@ -116,20 +126,28 @@ def bench(shapes, rounds: int, device: str) -> dict[str, tuple[str, float]]:
     return {label: (family, statistics.median(times[label]) * 1e3) for label, family, _ in opts}
 
 
-def report(name: str, shapes, rounds: int, device: str) -> None:
+def say(line: str) -> None:
+    """Print once: on rank 0 when sharded over workers."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(line, flush=True)
+
+
+def report(name: str, shapes, rounds: int, device: str, mesh=None) -> None:
     numel = sum(torch.Size(s).numel() for s in shapes)
     where = torch.cuda.get_device_name() if device == "cuda" else \
         f"{torch.get_num_threads()} threads"
-    print(f"\n{name}: {len(shapes)} tensors, {numel / 1e6:.1f} M fp32 parameters, "
-          f"{where}, median of {rounds} steps")
-    res = bench(shapes, rounds, device)
+    if mesh is not None:
+        where = f"sharded on dim 0 over {mesh.size()} gloo workers of {where}"
+    say(f"\n{name}: {len(shapes)} tensors, {numel / 1e6:.1f} M fp32 parameters, "
+        f"{where}, median of {rounds} steps")
+    res = bench(shapes, rounds, device, mesh)
     best = {}
     for fam in ("adamw", "sgd"):
         entries = [(ms, label) for label, (f, ms) in res.items() if f == fam]
         best[fam] = min(entries) if entries else None
     for label, (_, ms) in res.items():
-        print(f"  {label:30s} {ms:8.1f} ms")
-    print("  ratios (lower is better):")
+        say(f"  {label:30s} {ms:8.1f} ms")
+    say("  ratios (lower is better):")
     for fam, base in (("lamb", "adamw"), ("lamb-ref", "adamw"), ("lamb-other", "adamw"),
                       ("lars", "sgd"), ("lars-ref", "sgd")):
         for label, (f, ms) in res.items():
@@ -138,7 +156,7 @@ def report(name: str, shapes, rounds: int, device: str) -> None:
             fastest_ms, fastest_label = best[base]
             foreach = res.get(f"torch {'AdamW' if base == 'adamw' else 'SGD m=0.9'} (foreach)")
             extra = f", {ms / foreach[1]:.2f}x foreach" if foreach else ""
-            print(f"  {label:30s} {ms / fastest_ms:5.2f}x {fastest_label}{extra}")
+            say(f"  {label:30s} {ms / fastest_ms:5.2f}x {fastest_label}{extra}")
 
 
 def main() -> None:
@@ -150,17 +168,36 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0,
                     help="CPU threads (default: torch's). With 1 thread memory bandwidth "
                          "stops being the limit, and the ratios show the extra compute")
+    ap.add_argument("--sharded", type=int, default=0, metavar="N",
+                    help="parameters as DTensors sharded over N gloo workers on this "
+                         "machine, as FSDP2 lays them out (CPU; 1 thread each by default)")
     args = ap.parse_args()
-    if args.rounds < 1 or args.threads < 0:
-        ap.error("--rounds must be >= 1 and --threads >= 0")
+    if args.rounds < 1 or args.threads < 0 or args.sharded < 0 or args.sharded == 1:
+        ap.error("--rounds must be >= 1, --threads >= 0 and --sharded 0 or >= 2")
+    if args.sharded and args.device != "cpu":
+        ap.error("--sharded runs gloo workers: use --device cpu")
+    if args.sharded:
+        from _gloo import run_on_workers
+        args.threads = args.threads or 1
+        run_on_workers(measure, args, world=args.sharded)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
+    measure(0, args)
+
+
+def measure(rank: int, args) -> None:
+    """Every report this command asks for (on each worker when sharded)."""
+    mesh = None
+    if args.sharded:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (args.sharded,))
     if args.model in ("resnet50", "both"):
-        report("ResNet-50-shaped", resnet50_shapes(), args.rounds, args.device)
+        report("ResNet-50-shaped", resnet50_shapes(), args.rounds, args.device, mesh)
     if args.model in ("bert", "both"):
-        report("BERT-base-shaped", bert_base_shapes(), args.rounds, args.device)
+        report("BERT-base-shaped", bert_base_shapes(), args.rounds, args.device, mesh)
     if args.model == "bert-large":
-        report("BERT-large-shaped", bert_large_shapes(), args.rounds, args.device)
+        report("BERT-large-shaped", bert_large_shapes(), args.rounds, args.device, mesh)
 
 
 if __name__ == "__main__":

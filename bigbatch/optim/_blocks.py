@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import torch
 
 from ._base import dense
+from ._norms import sum_over_shards
 
 # Elements per block: w, g and a state tensor (LARS), or w, u and the chunk
 # traffic of LAMB's first pass, of 1 M fp32 elements stay well inside a shared
@@ -63,6 +64,28 @@ def memory_order(t: torch.Tensor) -> torch.Tensor:
     if t.is_contiguous():
         return t.view(-1)
     return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+def squared_norm(t: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of a tensor as a 0-d tensor: a BLAS dot over its memory
+    when dense (see ``host_norms``), else the norm reduction squared."""
+    if dense(t):
+        flat = memory_order(t)
+        return torch.dot(flat, flat)
+    return torch.linalg.vector_norm(t).square()
+
+
+def whole_squares(shards: list[torch.Tensor], owners: list[torch.Tensor]) -> list[float]:
+    """Squared norms of whole tensors from their local shards (``shards[i]`` laid
+    out like the DTensor ``owners[i]``), as Python floats: the shards' squares
+    by ``squared_norm``, summed over the meshes in one collective per (mesh,
+    dims) (``_norms.sum_over_shards``), read to the host once."""
+    if not shards:
+        return []
+    squares = [squared_norm(t) for t in shards]
+    if len({s.dtype for s in squares}) > 1:
+        squares = [s.double() for s in squares]
+    return sum_over_shards(torch.stack(squares), owners).tolist()
 
 
 def host_norms(tensors: list[torch.Tensor], extra: list[torch.Tensor] = ()

@@ -31,8 +31,15 @@ def is_dtensor(t: torch.Tensor) -> bool:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank holds (a view: in-place updates reach the DTensor)."""
-    return t.to_local() if is_dtensor(t) else t
+    """The tensor this rank holds (in-place updates reach the DTensor).
+
+    The shard itself: ``to_local()`` of a ``Parameter(DTensor)`` builds a
+    fresh view on every call, which costs more than a small tensor's update.
+    """
+    if not is_dtensor(t):
+        return t
+    shard = getattr(t, "_local_tensor", None)
+    return shard if shard is not None else t.to_local()
 
 
 def _shard_key(t: torch.Tensor):
@@ -79,19 +86,42 @@ def whole_norms(tensors: list[torch.Tensor], owners: list[torch.Tensor] | None =
     ``torch.stack`` and split with ``unbind``.
     """
     norms = _local_norms([local(t) for t in tensors])
-    groups: dict = {}
-    for i, t in enumerate(tensors if owners is None else owners):
-        key = _shard_key(t)
-        if key is not None:
-            groups.setdefault(key, []).append(i)
-    for (mesh, dims), idx in groups.items():
+    for (mesh, dims), idx in _shard_groups(tensors if owners is None else owners).items():
         squares = torch.stack([norms[i] for i in idx]).square()
-        for dim in dims:
-            # Looked up at call time, so a test can count the calls.
-            torch.distributed.all_reduce(squares, group=mesh.get_group(dim))
+        _sum_over(squares, mesh, dims)
         for i, n in zip(idx, squares.sqrt().unbind(), strict=True):
             norms[i] = n
     return norms
+
+
+def sum_over_shards(squares: torch.Tensor, owners: list[torch.Tensor]) -> torch.Tensor:
+    """Local sums of squares (a 1-d tensor, ``squares[i]`` of a tensor laid out
+    like ``owners[i]``) summed over the mesh dimensions each owner is sharded on:
+    the whole tensors' squared norms. One all-reduce per distinct (mesh, dims)."""
+    for (mesh, dims), idx in _shard_groups(owners).items():
+        if len(idx) == len(owners):  # all of them: reduce in place
+            _sum_over(squares, mesh, dims)
+            continue
+        part = squares[idx]
+        _sum_over(part, mesh, dims)
+        squares[idx] = part
+    return squares
+
+
+def _shard_groups(owners: list[torch.Tensor]) -> dict:
+    """Indices of ``owners`` by (mesh, sharded mesh dims); plain tensors left out."""
+    groups: dict = {}
+    for i, t in enumerate(owners):
+        key = _shard_key(t)
+        if key is not None:
+            groups.setdefault(key, []).append(i)
+    return groups
+
+
+def _sum_over(values: torch.Tensor, mesh, dims: tuple[int, ...]) -> None:
+    for dim in dims:
+        # Looked up at call time, so a test can count the calls.
+        torch.distributed.all_reduce(values, group=mesh.get_group(dim))
 
 
 def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:

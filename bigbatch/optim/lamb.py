@@ -23,12 +23,13 @@ update buffers and keeps norms and ratios as tensors (no host sync).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
 
 from ._base import LayerwiseOptimizer, fusable, in_param_order
-from ._blocks import BLOCK, SMALL
+from ._blocks import BLOCK, SMALL, whole_squares
 from ._lamb_cpu import (
     LambScratch,
     adam_into,
@@ -36,7 +37,14 @@ from ._lamb_cpu import (
     lamb_group_per_tensor,
     step_counts,
 )
-from ._norms import by_device_and_dtype, global_norm, is_dtensor, local, stack, whole_norms
+from ._norms import (
+    by_device_and_dtype,
+    global_norm,
+    is_dtensor,
+    local,
+    stack,
+    whole_norms,
+)
 from ._params import check_range
 from ._steps import adam_direction, clip_coefficient, lamb_trust_ratio
 
@@ -94,7 +102,7 @@ class LAMB(LayerwiseOptimizer):
     def _scratch_size(self, dtype: torch.dtype, device: torch.device) -> int:
         """Elements the per-tensor kernel's scratch needs for this kind: the largest
         tensor, or a block of small tensors stepped together, whichever is more."""
-        sizes = [p.numel() for g in self.param_groups for p in g["params"]
+        sizes = [local(p).numel() for g in self.param_groups for p in g["params"]
                  if p.dtype == dtype and p.device == device]
         small = sum(n for n in sizes if n < SMALL)
         return max(max(sizes, default=0), min(small, BLOCK))
@@ -135,8 +143,10 @@ class LAMB(LayerwiseOptimizer):
     def _update(self, work, kernel, ratios):
         if self.max_grad_norm is not None:
             self._clip_gradients(work, kernel)
-        sharded = any(is_dtensor(w) for _, ps in work for w in ps)
-        if kernel == "per_tensor" and not sharded:
+        if kernel == "per_tensor":
+            if any(is_dtensor(w) for _, ps in work for w in ps):
+                self._per_tensor_sharded(work, ratios)
+                return
             for group, params in work:
                 done = lamb_group_per_tensor(self._scratch, group, params,
                                              [self._state(w, plain=True) for w in params],
@@ -148,11 +158,9 @@ class LAMB(LayerwiseOptimizer):
         pending = []
         buckets = []
         for group, params in work:
-            if kernel != "multi_tensor":  # reference, or fused kernels on DTensor shards
-                direction = (self._fused_direction if kernel == "per_tensor"
-                             else self._reference_direction)
+            if kernel == "reference":
                 buckets.append([[i] for i in range(len(params))])
-                pending += [(group, [w], [direction(group, w)]) for w in params]
+                pending += [(group, [w], [self._reference_direction(group, w)]) for w in params]
             else:
                 buckets.append(by_device_and_dtype(params))
                 pending += [(group, ps, self._multi_tensor_direction(group, ps))
@@ -191,15 +199,49 @@ class LAMB(LayerwiseOptimizer):
             u.add_(local(w), alpha=group["weight_decay"])
         return u
 
-    def _fused_direction(self, group, w) -> torch.Tensor:
-        """``u`` of one (local) tensor by torch's fused Adam kernel; the reference
-        kernel where the layouts do not let it walk raw memory."""
+    def _per_tensor_sharded(self, work, ratios) -> None:
+        """The per-tensor kernel on DTensor shards (FSDP2, tensor parallel) on CPU.
+
+        Every local ``u`` by torch's fused Adam kernel into the scratch buffer
+        (grown to hold them all); the squared norms of all ``w`` and ``u``
+        summed over their meshes together (one collective) and read to the
+        host once (``whole_squares``); ratios on Python floats; one ``sub_``
+        per local shard.
+        """
+        shards = [local(w) for _, params in work for w in params]
+        buffers: list = [None] * len(shards)
+        for idx in by_device_and_dtype(shards):  # one stretch of scratch per kind
+            for i, u in zip(idx, self._scratch.views([shards[i] for i in idx]), strict=True):
+                buffers[i] = u
+        buffers.reverse()
+        pending = []
+        measured: list[torch.Tensor] = []  # w, u, w, u, ... of the adapted tensors
+        owners: list[torch.Tensor] = []
+        for group, params in work:
+            for w in params:
+                w_ = local(w)
+                u = self._fused_direction(group, w, buffers.pop())
+                if self._adapts(group):
+                    measured += (w_, u)
+                    owners += (w, w)
+                pending.append((group, w_, u))
+        norms = iter(map(math.sqrt, whole_squares(measured, owners)))
+        for group, w_, u in pending:
+            ratio = (lamb_trust_ratio(next(norms), next(norms), group["trust_clip"])
+                     if self._adapts(group) else 1.0)
+            w_.sub_(u, alpha=float(group["lr"]) * ratio)
+            if ratios is not None:
+                ratios.append(ratio)
+
+    def _fused_direction(self, group, w, u: torch.Tensor) -> torch.Tensor:
+        """``u`` of one (local) tensor by torch's fused Adam kernel, into the given
+        buffer (laid out like ``w``); where the layouts do not let the kernel walk
+        raw memory, the reference kernel's own ``u``."""
         step, m, v = self._state(w)
         w_, g = local(w), local(w.grad)
-        if not fusable(w_, g, m, v):
+        if not fusable(w_, g, m, v, u):
             return self._reference_direction(group, w)
         step += 1
-        u = torch.empty_like(m)
         direction_into(u, w_, g, m, v, step_counts(group, [step]), group)
         return u
 

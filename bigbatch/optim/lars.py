@@ -20,12 +20,13 @@ momentum, which updates ``b`` and ``w`` in one pass. ``velocity(p)`` returns
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
 
 from ._base import LayerwiseOptimizer, as_state_tensor, fusable, in_param_order
-from ._blocks import blocks, host_norms
+from ._blocks import blocks, host_norms, whole_squares
 from ._norms import by_device_and_dtype, is_dtensor, local, stack, whole_norms
 from ._params import check_range
 from ._steps import lars_local_lr, lars_momentum_coefficients, lars_reference_update
@@ -117,7 +118,12 @@ class LARS(LayerwiseOptimizer):
             return
         # The norms of every adapted tensor, reduced together: one collective per step.
         adapted = [w for group, params in work if self._adapts(group) for w in params]
-        norms = whole_norms(adapted + [w.grad for w in adapted], adapted + adapted)
+        if kernel == "per_tensor":  # DTensor shards on CPU: BLAS dots, one host read
+            squares = whole_squares([local(t) for t in adapted + [w.grad for w in adapted]],
+                                    adapted + adapted)
+            norms = [math.sqrt(x) for x in squares]
+        else:
+            norms = whole_norms(adapted + [w.grad for w in adapted], adapted + adapted)
         w_norms = dict(zip(map(id, adapted), norms[: len(adapted)], strict=True))
         g_norms = dict(zip(map(id, adapted), norms[len(adapted):], strict=True))
         for group, params in work:
@@ -130,7 +136,11 @@ class LARS(LayerwiseOptimizer):
                 continue
             lr = float(group["lr"])
             adapt = self._adapts(group)
-            if adapt:
+            if adapt and kernel == "per_tensor":  # the norms are Python floats
+                local_lrs = [lars_local_lr(lr, group["trust_coefficient"], w_norms[id(w)],
+                                           g_norms[id(w)], group["weight_decay"], group["eps"],
+                                           group["trust_clip"]) for w in params]
+            elif adapt:
                 group_norms = ([w_norms[id(w)] for w in params], [g_norms[id(w)] for w in params])
                 local_lrs = self._local_lrs(group, params, group_norms).tolist()
             else:
