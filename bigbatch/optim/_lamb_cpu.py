@@ -59,8 +59,6 @@ class LambScratch:
 
     ``size(dtype, device)`` gives the size to allocate: the most any tensor or
     block of small tensors of that kind needs, so the buffer is allocated once.
-    On DTensor shards every ``u`` of a step is needed until the one collective,
-    so there it grows once to hold them all (the local parameters' size).
     """
 
     def __init__(self, size: Callable[[torch.dtype, torch.device], int]):
