@@ -37,13 +37,15 @@ CASES = {
 
 
 def mlp(dtype):
+    """The last layer has one output: under FSDP2 rank 1's shards of it are empty."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), nn.LayerNorm(4)).to(dtype)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), nn.LayerNorm(4),
+                         nn.Linear(4, 1)).to(dtype)
 
 
 def data(dtype, t):
     g = torch.Generator().manual_seed(100 + t)
-    return torch.randn(8, 8, generator=g, dtype=dtype), torch.randn(8, 4, generator=g, dtype=dtype)
+    return torch.randn(8, 8, generator=g, dtype=dtype), torch.randn(8, 1, generator=g, dtype=dtype)
 
 
 def CountCollectives() -> CountCalls:
