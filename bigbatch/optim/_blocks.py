@@ -30,8 +30,8 @@ from ._norms import sum_over_shards
 BLOCK = 1 << 20
 
 # Below this many elements a tensor's step costs dispatch (a few microseconds a
-# call), not memory time: such tensors are stepped a block at a time with
-# multi-tensor calls rather than one fused call each.
+# call), not memory time: LAMB steps such tensors a block at a time with
+# multi-tensor calls rather than one fused call each (``_lamb_cpu``).
 SMALL = 1 << 15
 
 
