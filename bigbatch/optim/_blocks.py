@@ -104,8 +104,7 @@ def host_norms(tensors: list[torch.Tensor], extra: list[torch.Tensor] = ()
     small = []
     for i, t in enumerate(tensors):
         if t.numel() >= DOT_MIN and dense(t):
-            flat = memory_order(t)
-            pieces.append(torch.dot(flat, flat))
+            pieces.append(squared_norm(t))
         else:
             small.append(i)
     squared = len(pieces)

@@ -38,7 +38,7 @@ from collections.abc import Callable
 import torch
 
 from ._base import fusable
-from ._blocks import SMALL, blocks, host_norms, memory_order
+from ._blocks import SMALL, blocks, host_norms, memory_order, squared_norm
 from ._steps import adam_direction, lamb_trust_ratio, no_bias_correction_step
 
 # Tensors up to WHOLE elements take each pass whole; larger ones (embedding
@@ -105,13 +105,13 @@ def lamb_group_per_tensor(scratch: LambScratch, group: dict, params: list[torch.
 
 def adam_into(us: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.Tensor],
               vs: list[torch.Tensor], counts: list[torch.Tensor], group: dict) -> None:
-    """``u = r``: torch's fused Adam run on zeroed buffers ``us`` as the "parameters".
+    """``u += r``: torch's fused Adam run on the buffers ``us`` as the "parameters".
 
     With ``lr = -1`` the kernel's ``param -= lr * m_hat / (sqrt(v_hat) + eps)``
-    leaves exactly ``r`` in ``u``; it updates the moments on the way.
+    adds exactly ``r`` to ``u`` (zeroed, or holding ``weight_decay * w``, by the
+    caller); it updates the moments on the way.
     """
     beta1, beta2 = group["betas"]
-    torch._foreach_zero_(us)
     torch._fused_adam_(us, gs, ms, vs, [], counts, lr=-1.0, beta1=beta1, beta2=beta2,
                        weight_decay=0.0, eps=group["eps"], amsgrad=False, maximize=False)
 
@@ -120,16 +120,14 @@ def direction_into(u: torch.Tensor, w: torch.Tensor, g: torch.Tensor, m: torch.T
                    v: torch.Tensor, count: list[torch.Tensor], group: dict) -> None:
     """``u = r + weight_decay * w`` for same-layout dense tensors, moments updated.
 
-    ``u`` starts as ``weight_decay * w``; torch's fused Adam kernel then adds
-    ``r`` (``lr = -1`` on the "parameter" ``u``), in one sweep over g, m, v, u.
+    ``u`` starts as ``weight_decay * w``; ``adam_into`` then adds ``r`` in one
+    sweep over g, m, v, u.
     """
-    beta1, beta2 = group["betas"]
     if group["weight_decay"]:
         torch.mul(w, group["weight_decay"], out=u)
     else:
         u.zero_()
-    torch._fused_adam_([u], [g], [m], [v], [], count, lr=-1.0, beta1=beta1, beta2=beta2,
-                       weight_decay=0.0, eps=group["eps"], amsgrad=False, maximize=False)
+    adam_into([u], [g], [m], [v], count, group)
 
 
 def step_counts(group: dict, steps: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -145,6 +143,7 @@ def _block(scratch: LambScratch, group: dict, ws: list[torch.Tensor], states: li
     steps = [s for s, _, _ in states]
     torch._foreach_add_(steps, 1)
     us = scratch.views(ws)
+    torch._foreach_zero_(us)
     adam_into(us, [w.grad for w in ws], [m for _, m, _ in states], [v for _, _, v in states],
               step_counts(group, steps), group)
     if group["weight_decay"]:
@@ -181,15 +180,13 @@ def _one_tensor(scratch: LambScratch, group: dict, w: torch.Tensor, step: torch.
         count = step_counts(group, [step])
         squares: list[torch.Tensor] = []
         for uc, gc, mc, vc, wc in _chunks(u, g, m, v, w):
-            # w's squared norm brings w into cache for the weight decay's read; u's
-            # follows the kernel that wrote u. ~7 % off the step against both after.
+            # w's squared norm (a BLAS dot) brings w into cache for the weight decay's
+            # read; u's follows the kernel that wrote u. ~7 % off the step against both after.
             if adapt:
-                wf = memory_order(wc)
-                squares.append(torch.dot(wf, wf))
+                squares.append(squared_norm(wc))
             direction_into(uc, wc, gc, mc, vc, count, group)
             if adapt:
-                uf = memory_order(uc)
-                squares.append(torch.dot(uf, uf))
+                squares.append(squared_norm(uc))
         if adapt:  # one host read; the chunks' squares add up on the host
             values = torch.stack(squares).tolist()
             w_norm, u_norm = math.sqrt(sum(values[0::2])), math.sqrt(sum(values[1::2]))

@@ -252,6 +252,7 @@ class LAMB(LayerwiseOptimizer):
         # The fused kernel walks raw memory: the gradient must share the buffers' layout.
         gs = [g if fusable(u, g) else torch.empty_like(u).copy_(g)
               for u, g in zip(us, (local(w.grad) for w in params), strict=True)]
+        torch._foreach_zero_(us)
         adam_into(us, gs, [m for _, m, _ in states], [v for _, _, v in states],
                   step_counts(group, steps), group)
         if group["weight_decay"]:
