@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import abc
+import importlib
+import sys
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -12,7 +14,10 @@ from ._params import split_by_exclusion
 # Dtypes torch's fused CPU kernels accept; the per-tensor kernel needs them.
 _FUSED_DTYPES = (torch.float32, torch.float64)
 
-KERNELS = ("auto", "reference", "per_tensor", "multi_tensor")
+KERNELS = ("auto", "reference", "per_tensor", "multi_tensor", "triton")
+
+# Parameter dtypes whose optimizer state the Triton kernel keeps in float32.
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 class LayerwiseOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
@@ -36,9 +41,14 @@ class LayerwiseOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     - ``"multi_tensor"``: lists of tensors per (device, dtype), norms and trust
       ratios kept as tensors: no host synchronisation, capturable in a CUDA
       graph, and whole-tensor norms for DTensor (FSDP2, tensor parallel) shards;
-    - ``"auto"`` (default): ``multi_tensor`` for CUDA parameters, ``per_tensor``
-      for float32/float64 CPU parameters (DTensor shards included),
-      ``reference`` otherwise.
+    - ``"triton"``: Triton kernels over all tensors of one CUDA device at once,
+      a handful of launches per step whatever the tensor count; no host
+      synchronisation, capturable, bitwise repeatable; DTensor shards take it
+      with one all-reduce of all squared norms. State of bfloat16/float16
+      parameters it creates in float32 (see ``_triton_steps``);
+    - ``"auto"`` (default): ``triton`` for CUDA parameters when Triton imports
+      (else ``multi_tensor``), ``per_tensor`` for float32/float64 CPU
+      parameters (DTensor shards included), ``reference`` otherwise.
     """
 
     _name = "optimizer"
@@ -59,12 +69,14 @@ class LayerwiseOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self.kernel = "reference" if fast is False else kernel
         self.track_trust_ratios = False
         self._last_ratios: list | None = None
+        # The Triton kernel's device tables, kept between steps (see ``_triton_plan``).
+        self._workspace: dict = {}
 
     def _choose_kernel(self, params: list[torch.Tensor]) -> str:
         if self.kernel != "auto":
             return self.kernel
         if any(p.device.type != "cpu" for p in params):
-            return "multi_tensor"
+            return "triton" if _triton_fits(params) else "multi_tensor"
         if all(p.dtype in _FUSED_DTYPES for p in params):
             return "per_tensor"
         return "multi_tensor" if self.fast else "reference"
@@ -124,6 +136,48 @@ class LayerwiseOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             given = group.get("param_names")
             names.extend(given if given is not None else [None] * len(group["params"]))
         return names
+
+
+def _triton_fits(params: list[torch.Tensor]) -> bool:
+    """Whether the Triton kernel takes these: all on one CUDA device, Triton importable."""
+    devices = {p.device for p in params}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        return False
+    return _triton_imports()
+
+
+def _triton_imports() -> bool:
+    """Whether Triton imports here (asked for CUDA parameters only, never on CPU)."""
+    if "triton" in sys.modules:
+        return True
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return False
+    return True
+
+
+def state_dtype(w: torch.Tensor, kernel: str) -> torch.dtype:
+    """The dtype of new optimizer state for ``w``: ``w``'s own, except float32 for
+    bfloat16/float16 parameters under the Triton kernel (moments rounded to 8 bits
+    of mantissa every step would lose small updates)."""
+    if kernel == "triton" and w.dtype in _LOW_PRECISION:
+        return torch.float32
+    return w.dtype
+
+
+def split_runs(groups, params, grads, states) -> list[tuple]:
+    """``(options, params, grads, states)`` per ``(options, count)`` of ``groups``."""
+    runs = []
+    start = 0
+    for opts, count in groups:
+        runs.append((opts, params[start:start + count], grads[start:start + count],
+                     states[start:start + count]))
+        start += count
+    if start != len(params) or len(grads) != start or len(states) != start:
+        raise ValueError(f"groups cover {start} tensors; got {len(params)} parameters, "
+                         f"{len(grads)} gradients and {len(states)} states")
+    return runs
 
 
 def in_param_order(buckets: list[list[int]], parts: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -82,22 +82,25 @@ class LambScratch:
 
 
 def lamb_group_per_tensor(scratch: LambScratch, group: dict, params: list[torch.Tensor],
-                          states: list[State], adapt: bool) -> list[float]:
+                          grads: list[torch.Tensor], states: list[State]) -> list[float]:
     """One LAMB step of one group of plain tensors; returns the trust ratios in order.
 
+    ``group`` holds the hyperparameters (``adapt``: apply the trust ratio).
     Small fusable tensors go together a block at a time, the others one by one.
     """
+    adapt = group["adapt"]
     ratios = [1.0] * len(params)
     small, large = [], []
-    for i, (w, (_, m, v)) in enumerate(zip(params, states, strict=True)):
-        (small if w.numel() < SMALL and fusable(w, w.grad, m, v) else large).append(i)
+    for i, (w, g, (_, m, v)) in enumerate(zip(params, grads, states, strict=True)):
+        (small if w.numel() < SMALL and fusable(w, g, m, v) else large).append(i)
     if large:
         torch._foreach_add_([states[i][0] for i in large], 1)
     for i in large:
-        ratios[i] = _one_tensor(scratch, group, params[i], *states[i], adapt)
+        ratios[i] = _one_tensor(scratch, group, params[i], grads[i], *states[i], adapt)
     for run in blocks([params[i] for i in small]):
         idx = [small[j] for j in run]
-        block = _block(scratch, group, [params[i] for i in idx], [states[i] for i in idx], adapt)
+        block = _block(scratch, group, [params[i] for i in idx], [grads[i] for i in idx],
+                       [states[i] for i in idx], adapt)
         for i, ratio in zip(idx, block, strict=True):
             ratios[i] = ratio
     return ratios
@@ -137,14 +140,14 @@ def step_counts(group: dict, steps: list[torch.Tensor]) -> list[torch.Tensor]:
     return [no_bias_correction_step(s.device) for s in steps]
 
 
-def _block(scratch: LambScratch, group: dict, ws: list[torch.Tensor], states: list[State],
-           adapt: bool) -> list[float]:
+def _block(scratch: LambScratch, group: dict, ws: list[torch.Tensor], gs: list[torch.Tensor],
+           states: list[State], adapt: bool) -> list[float]:
     """One LAMB step of a block of small same-layout tensors, as multi-tensor calls."""
     steps = [s for s, _, _ in states]
     torch._foreach_add_(steps, 1)
     us = scratch.views(ws)
     torch._foreach_zero_(us)
-    adam_into(us, [w.grad for w in ws], [m for _, m, _ in states], [v for _, _, v in states],
+    adam_into(us, gs, [m for _, m, _ in states], [v for _, _, v in states],
               step_counts(group, steps), group)
     if group["weight_decay"]:
         torch._foreach_add_(us, ws, alpha=group["weight_decay"])
@@ -161,12 +164,11 @@ def _block(scratch: LambScratch, group: dict, ws: list[torch.Tensor], states: li
     return ratios
 
 
-def _one_tensor(scratch: LambScratch, group: dict, w: torch.Tensor, step: torch.Tensor,
-                m: torch.Tensor, v: torch.Tensor, adapt: bool) -> float:
+def _one_tensor(scratch: LambScratch, group: dict, w: torch.Tensor, g: torch.Tensor,
+                step: torch.Tensor, m: torch.Tensor, v: torch.Tensor, adapt: bool) -> float:
     """One LAMB step of one tensor (``step`` already counts it); returns the ratio."""
     beta1, beta2 = group["betas"]
     wd, eps, lr = group["weight_decay"], group["eps"], float(group["lr"])
-    g = w.grad
     if not fusable(w, g, m, v):
         u = torch.empty_like(m)
         adam_direction(u, g, m, v, beta1, beta2, eps,

@@ -13,12 +13,16 @@ With ``max_grad_norm`` the gradients are first divided by their global norm
 when it exceeds the bound (in place, like ``clip_grad_norm_``), as NVIDIA's
 LAMB does.
 
-Kernels. The reference computes every ``u``, then all norms together, then
-the updates. The per-tensor CPU kernel (``_lamb_cpu.py``) runs torch's fused
-Adam kernel into a scratch buffer laid out like ``w``, chunk by chunk, so the
-norms and the update follow while the data is still in cache. The
-multi-tensor kernel runs the fused Adam kernel over lists into per-tensor
-update buffers and keeps norms and ratios as tensors (no host sync).
+Kernels, behind one function ``lamb(params, grads, states, ..., kernel=)``
+(the ``LAMB`` class is a shell over it). The reference computes every ``u``,
+then all norms together, then the updates. The per-tensor CPU kernel
+(``_lamb_cpu.py``) runs torch's fused Adam kernel into a scratch buffer laid
+out like ``w``, chunk by chunk, so the norms and the update follow while the
+data is still in cache. The multi-tensor kernel runs the fused Adam kernel
+over lists into per-tensor update buffers and keeps norms and ratios as
+tensors (no host sync). The Triton kernel (``_triton_steps.py``) takes every
+tensor in one launch per pass: moments and both squared norms in the first,
+the trust-ratio update in the second (no host sync either).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ._base import LayerwiseOptimizer, fusable, in_param_order
+from ._base import LayerwiseOptimizer, fusable, in_param_order, split_runs, state_dtype
 from ._blocks import BLOCK, SMALL, whole_squares
 from ._lamb_cpu import (
     LambScratch,
@@ -48,7 +52,61 @@ from ._norms import (
 from ._params import check_range
 from ._steps import adam_direction, clip_coefficient, lamb_trust_ratio
 
-__all__ = ["LAMB"]
+__all__ = ["LAMB", "lamb"]
+
+# (step, exp_avg, exp_avg_sq) of one parameter: a 0-d float32 count and local tensors.
+LambState = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def lamb(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+         states: Sequence[LambState], *, lr: float | torch.Tensor = 1e-3,
+         betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+         weight_decay: float = 0.0, bias_correction: bool = True, trust_clip: bool = False,
+         adapt: bool = True, groups: Sequence[tuple[dict, int]] | None = None,
+         max_grad_norm: float | None = None, kernel: str = "reference",
+         ratios: list | None = None, scratch: LambScratch | None = None,
+         workspace=None) -> None:
+    """One LAMB step (the module docstring's update) over tensor lists, in place.
+
+    ``params`` (plain tensors or DTensors), their ``grads``, and ``states``
+    (``(step, exp_avg, exp_avg_sq)`` per parameter; ``step`` counts this step).
+    The keywords hold one group's hyperparameters (``adapt``: apply the trust
+    ratio); or ``groups`` lists ``(options, count)`` runs covering ``params`` in
+    order, ``options`` keyed like the keywords, so that several param groups
+    take one step together: one global clip, one collective for all norms.
+
+    ``kernel``: ``"reference"``, ``"per_tensor"``, ``"multi_tensor"`` or
+    ``"triton"`` (see ``LayerwiseOptimizer``). The trust ratios are appended to
+    ``ratios`` in parameter order when it is a list. ``scratch`` (per-tensor)
+    and ``workspace`` (Triton: a dict) are buffers a caller
+    keeps between steps; without them each step makes its own.
+    """
+    if groups is None:
+        groups = [(dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, trust_clip=trust_clip, adapt=adapt),
+                   len(params))]
+    runs = split_runs(groups, params, grads, states)
+    if kernel == "triton":
+        from ._triton_steps import lamb_triton
+
+        lamb_triton(runs, max_grad_norm, ratios, workspace)
+        return
+    if max_grad_norm is not None:
+        _clip_gradients(params, grads, max_grad_norm, kernel)
+    if kernel == "per_tensor":
+        if any(is_dtensor(w) for w in params):
+            _per_tensor_sharded(runs, ratios)
+            return
+        scratch = scratch or LambScratch(lambda dtype, device: 0)
+        for opts, ps, gs, ss in runs:
+            done = lamb_group_per_tensor(scratch, opts, ps, gs, ss)
+            if ratios is not None:
+                ratios.extend(done)
+        return
+    if kernel not in ("reference", "multi_tensor"):
+        raise ValueError(f"lamb: kernel={kernel!r} should be 'reference', 'per_tensor', "
+                         "'multi_tensor' or 'triton'")
+    _reference_or_multi_tensor(runs, kernel, ratios)
 
 
 class LAMB(LayerwiseOptimizer):
@@ -70,8 +128,8 @@ class LAMB(LayerwiseOptimizer):
         always_adapt: keep the trust ratio for excluded parameters too.
         fast: ``False`` forces the per-tensor reference kernel (as
             ``kernel="reference"``).
-        kernel: ``"auto"``, ``"reference"``, ``"per_tensor"`` or
-            ``"multi_tensor"``; see ``LayerwiseOptimizer``.
+        kernel: ``"auto"``, ``"reference"``, ``"per_tensor"``, ``"multi_tensor"``
+            or ``"triton"``; see ``LayerwiseOptimizer``.
     """
 
     _name = "LAMB"
@@ -107,12 +165,13 @@ class LAMB(LayerwiseOptimizer):
         small = sum(n for n in sizes if n < SMALL)
         return max(max(sizes, default=0), min(small, BLOCK))
 
-    def _state(self, w: torch.Tensor, plain: bool = False
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _state(self, w: torch.Tensor, plain: bool = False, kernel: str = ""
+               ) -> LambState:
         """(step, exp_avg, exp_avg_sq) of ``w``, the moments as local tensors.
 
-        ``plain``: ``w`` is known not to be a DTensor (the per-tensor kernel),
-        so the lookups skip unwrapping.
+        ``plain``: ``w`` is known not to be a DTensor, so the lookups skip
+        unwrapping. New moments take ``state_dtype`` (float32 for low-precision
+        parameters under the Triton kernel).
         """
         state = self.state[w]
         if plain and state and state["step"].device == w.device:
@@ -121,140 +180,144 @@ class LAMB(LayerwiseOptimizer):
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=here)
             # zeros_like keeps a dense parameter's strides (and a DTensor's placements).
-            state["exp_avg"] = torch.zeros_like(w)
-            state["exp_avg_sq"] = torch.zeros_like(w)
+            dtype = state_dtype(w, kernel)
+            state["exp_avg"] = torch.zeros_like(w, dtype=dtype)
+            state["exp_avg_sq"] = torch.zeros_like(w, dtype=dtype)
         if state["step"].device != here:  # a loaded state dict keeps step where it was saved
             state["step"] = state["step"].to(here)
         return state["step"], local(state["exp_avg"]), local(state["exp_avg_sq"])
 
-    def _clip_gradients(self, work, kernel) -> None:
-        """Divide all gradients by ``clip_coefficient`` of their global (whole-tensor) norm."""
-        params = [w for _, ps in work for w in ps]
-        coef = clip_coefficient(global_norm([w.grad for w in params]), self.max_grad_norm)
-        grads = [local(w.grad) for w in params]
-        if kernel != "multi_tensor":
-            if coef.item() != 1.0:
-                torch._foreach_div_(grads, coef.item())
-            return
-        for idx in by_device_and_dtype(params):
-            bucket = [grads[i] for i in idx]
-            torch._foreach_div_(bucket, coef.to(device=bucket[0].device, dtype=bucket[0].dtype))
-
     def _update(self, work, kernel, ratios):
-        if self.max_grad_norm is not None:
-            self._clip_gradients(work, kernel)
-        if kernel == "per_tensor":
-            if any(is_dtensor(w) for _, ps in work for w in ps):
-                self._per_tensor_sharded(work, ratios)
-                return
-            for group, params in work:
-                done = lamb_group_per_tensor(self._scratch, group, params,
-                                             [self._state(w, plain=True) for w in params],
-                                             self._adapts(group))
-                if ratios is not None:
-                    ratios.extend(done)
-            return
-        # (group, its bucket's parameters, their updates u), buckets in group order.
-        pending = []
-        buckets = []
-        for group, params in work:
-            if kernel == "reference":
-                buckets.append([[i] for i in range(len(params))])
-                pending += [(group, [w], [self._reference_direction(group, w)]) for w in params]
-            else:
-                buckets.append(by_device_and_dtype(params))
-                pending += [(group, ps, self._multi_tensor_direction(group, ps))
-                            for ps in ([params[i] for i in idx] for idx in buckets[-1])]
-        # All norms of the step reduced together: one collective for sharded parameters.
-        adapted = [(w, u) for group, ps, us in pending if self._adapts(group)
-                   for w, u in zip(ps, us, strict=True)]
-        ws = [w for w, _ in adapted]
-        norms = whole_norms(ws + [u for _, u in adapted], ws + ws)
-        w_norms = dict(zip(map(id, ws), norms[: len(ws)], strict=True))
-        u_norms = dict(zip(map(id, ws), norms[len(ws):], strict=True))
-        parts = []
-        for group, ps, us in pending:
-            if self._adapts(group):
-                ratio = lamb_trust_ratio(stack([w_norms[id(w)] for w in ps]),
-                                         stack([u_norms[id(w)] for w in ps]), group["trust_clip"])
-            else:
-                ratio = torch.ones(len(ps), dtype=us[0].dtype, device=us[0].device)
-            # w -= lr * ratio * u
-            torch._foreach_addcmul_([local(w) for w in ps], us, (-group["lr"] * ratio).unbind())
-            parts.append(ratio)
+        params = [w for _, ps in work for w in ps]
+        plain = not any(is_dtensor(w) for w in params)
+        lamb(params, [w.grad for w in params], [self._state(w, plain, kernel) for w in params],
+             groups=[({**g, "adapt": self._adapts(g)}, len(ps)) for g, ps in work],
+             max_grad_norm=self.max_grad_norm, kernel=kernel, ratios=ratios,
+             scratch=self._scratch, workspace=self._workspace)
+
+
+def _clip_gradients(params, grads, max_grad_norm: float, kernel: str) -> None:
+    """Divide all gradients by ``clip_coefficient`` of their global (whole-tensor) norm."""
+    coef = clip_coefficient(global_norm(list(grads)), max_grad_norm)
+    local_grads = [local(g) for g in grads]
+    if kernel != "multi_tensor":
+        if coef.item() != 1.0:
+            torch._foreach_div_(local_grads, coef.item())
+        return
+    for idx in by_device_and_dtype(params):
+        bucket = [local_grads[i] for i in idx]
+        torch._foreach_div_(bucket, coef.to(device=bucket[0].device, dtype=bucket[0].dtype))
+
+
+def _reference_or_multi_tensor(runs, kernel: str, ratios: list | None) -> None:
+    """Every ``u`` first, then all norms of the step together (one collective for
+    sharded parameters), then ``w -= lr * ratio * u`` per bucket."""
+    # (options, its bucket's parameters, their updates u), buckets in group order.
+    pending = []
+    buckets = []
+    for opts, ps, gs, ss in runs:
+        if kernel == "reference":
+            buckets.append([[i] for i in range(len(ps))])
+            pending += [(opts, [w], [_reference_direction(opts, w, g, s)])
+                        for w, g, s in zip(ps, gs, ss, strict=True)]
+        else:
+            buckets.append(by_device_and_dtype(ps))
+            pending += [(opts, [ps[i] for i in idx],
+                         _multi_tensor_direction(opts, [ps[i] for i in idx],
+                                                 [gs[i] for i in idx], [ss[i] for i in idx]))
+                        for idx in buckets[-1]]
+    adapted = [(w, u) for opts, ps, us in pending if opts["adapt"]
+               for w, u in zip(ps, us, strict=True)]
+    ws = [w for w, _ in adapted]
+    norms = whole_norms(ws + [u for _, u in adapted], ws + ws)
+    w_norms = dict(zip(map(id, ws), norms[: len(ws)], strict=True))
+    u_norms = dict(zip(map(id, ws), norms[len(ws):], strict=True))
+    parts = []
+    for opts, ps, us in pending:
+        if opts["adapt"]:
+            ratio = lamb_trust_ratio(stack([w_norms[id(w)] for w in ps]),
+                                     stack([u_norms[id(w)] for w in ps]), opts["trust_clip"])
+        else:
+            ratio = torch.ones(len(ps), dtype=us[0].dtype, device=us[0].device)
+        # w -= lr * ratio * u
+        torch._foreach_addcmul_([local(w) for w in ps], us, (-opts["lr"] * ratio).unbind())
+        parts.append(ratio)
+    if ratios is not None:
+        for idx in buckets:
+            ratios.extend(in_param_order(idx, parts[: len(idx)]))
+            parts = parts[len(idx):]
+
+
+def _reference_direction(opts, w, g, state: LambState) -> torch.Tensor:
+    """The readable kernel for one tensor: moments, then ``u = r + weight_decay * w``."""
+    beta1, beta2 = opts["betas"]
+    step, m, v = state
+    step += 1
+    u = torch.empty_like(m)
+    adam_direction(u, local(g), m, v, beta1, beta2, opts["eps"],
+                   int(step.item()) if opts["bias_correction"] else None)
+    if opts["weight_decay"]:
+        u.add_(local(w), alpha=opts["weight_decay"])
+    return u
+
+
+def _per_tensor_sharded(runs, ratios: list | None) -> None:
+    """The per-tensor kernel on DTensor shards (FSDP2, tensor parallel) on CPU.
+
+    Every local ``u`` by torch's fused Adam kernel; the squared norms of all
+    ``w`` and ``u`` summed over their meshes together (one collective) and
+    read to the host once (``whole_squares``); ratios on Python floats; one
+    ``sub_`` per local shard. The ``u`` buffers live for the step only, as
+    in the other kernels: a sharded model's memory between steps stays its
+    parameters, gradients and state. (Kept between steps they made the step
+    ~25 % faster on ResNet-50 shapes, at the price of one more copy of the
+    local parameters held all the time.)
+    """
+    pending = []
+    measured: list[torch.Tensor] = []  # w, u, w, u, ... of the adapted tensors
+    owners: list[torch.Tensor] = []
+    for opts, ps, gs, ss in runs:
+        for w, g, state in zip(ps, gs, ss, strict=True):
+            w_ = local(w)
+            u = _fused_direction(opts, w, g, state)
+            if opts["adapt"]:
+                measured += (w_, u)
+                owners += (w, w)
+            pending.append((opts, w_, u))
+    norms = iter(map(math.sqrt, whole_squares(measured, owners)))
+    for opts, w_, u in pending:
+        ratio = (lamb_trust_ratio(next(norms), next(norms), opts["trust_clip"])
+                 if opts["adapt"] else 1.0)
+        w_.sub_(u, alpha=float(opts["lr"]) * ratio)
         if ratios is not None:
-            for idx in buckets:
-                ratios.extend(in_param_order(idx, parts[: len(idx)]))
-                parts = parts[len(idx):]
+            ratios.append(ratio)
 
-    def _reference_direction(self, group, w) -> torch.Tensor:
-        """The readable kernel for one tensor: moments, then ``u = r + weight_decay * w``."""
-        beta1, beta2 = group["betas"]
-        step, m, v = self._state(w)
-        step += 1
-        u = torch.empty_like(m)
-        adam_direction(u, local(w.grad), m, v, beta1, beta2, group["eps"],
-                       int(step.item()) if group["bias_correction"] else None)
-        if group["weight_decay"]:
-            u.add_(local(w), alpha=group["weight_decay"])
-        return u
 
-    def _per_tensor_sharded(self, work, ratios) -> None:
-        """The per-tensor kernel on DTensor shards (FSDP2, tensor parallel) on CPU.
+def _fused_direction(opts, w, g, state: LambState) -> torch.Tensor:
+    """``u`` of one (local) tensor by torch's fused Adam kernel; the reference
+    kernel's where the layouts do not let the fused kernel walk raw memory."""
+    step, m, v = state
+    w_, g_ = local(w), local(g)
+    if not fusable(w_, g_, m, v):
+        return _reference_direction(opts, w, g, state)
+    step += 1
+    u = torch.empty_like(m)
+    direction_into(u, w_, g_, m, v, step_counts(opts, [step]), opts)
+    return u
 
-        Every local ``u`` by torch's fused Adam kernel; the squared norms of all
-        ``w`` and ``u`` summed over their meshes together (one collective) and
-        read to the host once (``whole_squares``); ratios on Python floats; one
-        ``sub_`` per local shard. The ``u`` buffers live for the step only, as
-        in the other kernels: a sharded model's memory between steps stays its
-        parameters, gradients and state. (Kept between steps they made the step
-        ~25 % faster on ResNet-50 shapes, at the price of one more copy of the
-        local parameters held all the time.)
-        """
-        pending = []
-        measured: list[torch.Tensor] = []  # w, u, w, u, ... of the adapted tensors
-        owners: list[torch.Tensor] = []
-        for group, params in work:
-            for w in params:
-                w_ = local(w)
-                u = self._fused_direction(group, w)
-                if self._adapts(group):
-                    measured += (w_, u)
-                    owners += (w, w)
-                pending.append((group, w_, u))
-        norms = iter(map(math.sqrt, whole_squares(measured, owners)))
-        for group, w_, u in pending:
-            ratio = (lamb_trust_ratio(next(norms), next(norms), group["trust_clip"])
-                     if self._adapts(group) else 1.0)
-            w_.sub_(u, alpha=float(group["lr"]) * ratio)
-            if ratios is not None:
-                ratios.append(ratio)
 
-    def _fused_direction(self, group, w) -> torch.Tensor:
-        """``u`` of one (local) tensor by torch's fused Adam kernel; the reference
-        kernel's where the layouts do not let the fused kernel walk raw memory."""
-        step, m, v = self._state(w)
-        w_, g = local(w), local(w.grad)
-        if not fusable(w_, g, m, v):
-            return self._reference_direction(group, w)
-        step += 1
-        u = torch.empty_like(m)
-        direction_into(u, w_, g, m, v, step_counts(group, [step]), group)
-        return u
-
-    def _multi_tensor_direction(self, group, params) -> list[torch.Tensor]:
-        """``u`` for one (device, dtype) bucket: fused Adam over lists, then weight decay."""
-        states = [self._state(w) for w in params]
-        steps = [s for s, _, _ in states]
-        torch._foreach_add_(steps, 1)
-        ws = [local(w) for w in params]
-        us = [torch.empty_like(m) for _, m, _ in states]
-        # The fused kernel walks raw memory: the gradient must share the buffers' layout.
-        gs = [g if fusable(u, g) else torch.empty_like(u).copy_(g)
-              for u, g in zip(us, (local(w.grad) for w in params), strict=True)]
-        torch._foreach_zero_(us)
-        adam_into(us, gs, [m for _, m, _ in states], [v for _, _, v in states],
-                  step_counts(group, steps), group)
-        if group["weight_decay"]:
-            torch._foreach_add_(us, ws, alpha=group["weight_decay"])
-        return us
+def _multi_tensor_direction(opts, params, grads, states: list[LambState]) -> list[torch.Tensor]:
+    """``u`` for one (device, dtype) bucket: fused Adam over lists, then weight decay."""
+    steps = [s for s, _, _ in states]
+    torch._foreach_add_(steps, 1)
+    ws = [local(w) for w in params]
+    us = [torch.empty_like(m) for _, m, _ in states]
+    # The fused kernel walks raw memory: the gradient must share the buffers' layout.
+    gs = [g if fusable(u, g) else torch.empty_like(u).copy_(g)
+          for u, g in zip(us, (local(g) for g in grads), strict=True)]
+    torch._foreach_zero_(us)
+    adam_into(us, gs, [m for _, m, _ in states], [v for _, _, v in states],
+              step_counts(opts, steps), opts)
+    if opts["weight_decay"]:
+        torch._foreach_add_(us, ws, alpha=opts["weight_decay"])
+    return us

@@ -1,0 +1,360 @@
+"""LAMB's and LARS's Triton kernels: every tensor of a step in one launch per pass.
+
+Imported only through ``_triton_plan.kernels(device)``, which loads this file
+compiled for CUDA tensors and, under ``TRITON_INTERPRET=1``, a second time
+through Triton's interpreter for CPU tensors (the tests' path).
+
+Multi-tensor layout. Each program takes one chunk (at most ``CHUNK``
+elements in memory order) of one tensor: ``chunk_tensor[c]`` names the
+tensor and ``chunk_start[c]`` where the chunk begins; the tensors' addresses
+sit in ``ptrs``, one row per role (weights, gradients, each state), so one
+launch covers any number of tensors, whatever their shapes. Tensors of one
+role share the memory layout of their weight (``_triton_plan`` stages those
+that do not), so walking raw memory pairs the right elements.
+
+Norms without atomics. A first pass writes each chunk's partial sums of
+squares to ``partials``; ``reduce_chunks`` (one program per tensor) adds a
+tensor's partials in a fixed order. Every sum is therefore the same, bit for
+bit, on every run; a second pass then applies the trust ratio.
+
+Scalars. Per-program rules (bias corrections, trust ratios, LARS's rates)
+run in float64: float arguments are declared ``tl.float64`` and wrapped by
+``_f64``, which makes a float64 scalar of either a compiled argument or the
+interpreter's Python float. Elementwise work runs in ``C``: float32, or
+float64 for float64 tensors.
+"""
+
+import importlib
+import os
+
+# Imported by name: this module is loaded only by ``_triton_plan.kernels`` when a
+# Triton step runs, so ``import bigbatch.optim`` still needs only torch.
+triton = importlib.import_module("triton")
+tl = importlib.import_module("triton.language")
+
+
+def _device_function(fn):
+    """A helper the kernels call: jit-compiled with them, but plain Python under the
+    interpreter, which re-patches ``triton.language`` on every call of a jit
+    function (~2 ms each: most of the interpreted tests' time)."""
+    return fn if os.environ.get("TRITON_INTERPRET") == "1" else triton.jit(fn)
+
+
+@_device_function
+def _f64(x):
+    return tl.full((), x, tl.float64)
+
+
+@_device_function
+def _store(ptr, x, mask, out_dtype: tl.constexpr):
+    """Store ``x`` as ``out_dtype``; bfloat16 rounded to nearest-even by hand, so the
+    interpreter (which truncates) and compiled code give the same bits."""
+    if out_dtype == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        tl.store(ptr, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptr, x.to(out_dtype), mask=mask)
+
+
+@_device_function
+def _sqrt(x, compute: tl.constexpr):
+    """Correctly rounded square root (as torch's), in float32 or float64."""
+    return tl.sqrt_rn(x) if compute == tl.float32 else tl.sqrt(x)
+
+
+@_device_function
+def _row(ptrs, role, n_tensors, t, DTYPE: tl.constexpr):
+    """The address in row ``role`` of tensor ``t``, as a pointer to ``DTYPE``."""
+    return tl.load(ptrs + role * n_tensors + t).to(tl.pointer_type(DTYPE))
+
+
+@_device_function
+def _chunk(chunk_tensor, chunk_start, numel, c, CHUNK: tl.constexpr):
+    """(tensor, first element, length) of chunk ``c``."""
+    t = tl.load(chunk_tensor + c)
+    start = tl.load(chunk_start + c)
+    return t, start, tl.minimum(tl.load(numel + t) - start, CHUNK)
+
+
+@_device_function
+def _bias_corrections(step_ptr, offset, log_beta1, log_beta2, BIAS: tl.constexpr):
+    """``(1 - beta1^t, 1 - beta2^t)`` in float64 with ``t = step + offset``; (1, 1) without."""
+    if BIAS:
+        t = tl.load(step_ptr).to(tl.float64) + offset
+        return 1.0 - tl.exp(t * _f64(log_beta1)), 1.0 - tl.exp(t * _f64(log_beta2))
+    else:
+        return _f64(1.0), _f64(1.0)
+
+
+@_device_function
+def _rate(lr_ptr, lr_value, LR_PTR: tl.constexpr):
+    """The learning rate: a 0-d device tensor's value, or the float argument."""
+    if LR_PTR:
+        return tl.load(lr_ptr).to(tl.float64)
+    else:
+        return _f64(lr_value)
+
+
+@triton.jit(do_not_specialize=["n_tensors", "chunk0", "role"])
+def sum_squares(ptrs, n_tensors, chunk_tensor, chunk_start, numel, out, chunk0, role,
+                W: tl.constexpr, C: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """``out[c]``: the sum of squares of chunk ``c`` of the tensors in row ``role``."""
+    c = chunk0 + tl.program_id(0)
+    t, start, n = _chunk(chunk_tensor, chunk_start, numel, c, CHUNK)
+    x_ptr = _row(ptrs, role, n_tensors, t, W) + start
+    acc = tl.zeros((BLOCK,), C)
+    i = 0
+    while i < n:
+        offs = i + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(C)
+        acc += x * x
+        i += BLOCK
+    tl.store(out + c, tl.sum(acc, 0).to(tl.float64))
+
+
+@triton.jit(do_not_specialize=["n_tensors", "t0", "aux_role"])
+def reduce_chunks(partials, first_chunk, squares, ptrs, n_tensors, t0, aux, aux_role,
+                  K: tl.constexpr, MODE: tl.constexpr, S: tl.constexpr, BLOCK: tl.constexpr):
+    """Per tensor ``t`` (from ``t0`` on, one program each): ``squares[K*t + k]`` = the sum of its chunks' ``partials[K*c + k]``,
+    always added in the same order; then the bookkeeping between the two passes:
+    MODE 1 (LAMB) adds 1 to the step in row ``aux_role``; MODE 2 (LARS) copies the
+    stored ``local_lr`` in row ``aux_role`` to ``aux[t]``, for the second pass to read
+    while its first chunk overwrites the state."""
+    t = t0 + tl.program_id(0)
+    c0 = tl.load(first_chunk + t)
+    c1 = tl.load(first_chunk + t + 1)
+    acc0 = tl.zeros((BLOCK,), tl.float64)
+    acc1 = tl.zeros((BLOCK,), tl.float64)
+    i = c0
+    while i < c1:
+        offs = i + tl.arange(0, BLOCK)
+        mask = offs < c1
+        acc0 += tl.load(partials + K * offs, mask=mask, other=0.0)
+        if K == 2:
+            acc1 += tl.load(partials + K * offs + 1, mask=mask, other=0.0)
+        i += BLOCK
+    tl.store(squares + K * t, tl.sum(acc0, 0))
+    if K == 2:
+        tl.store(squares + K * t + 1, tl.sum(acc1, 0))
+    if MODE == 1:
+        step_ptr = _row(ptrs, aux_role, n_tensors, t, tl.float32)
+        tl.store(step_ptr, tl.load(step_ptr) + 1.0)
+    if MODE == 2:
+        tl.store(aux + t, tl.load(_row(ptrs, aux_role, n_tensors, t, S)).to(tl.float64))
+
+
+@triton.jit(do_not_specialize=["n_tensors", "chunk0"])
+def lamb_moments(ptrs, n_tensors, chunk_tensor, chunk_start, numel, partials, chunk0, total,
+                 beta1: tl.float64, beta2: tl.float64, log_beta1: tl.float64,
+                 log_beta2: tl.float64, eps: tl.float64, weight_decay: tl.float64,
+                 max_norm: tl.float64, W: tl.constexpr, S: tl.constexpr, C: tl.constexpr,
+                 BIAS: tl.constexpr, NORMS: tl.constexpr, CLIP: tl.constexpr,
+                 CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """LAMB's first pass over one chunk (rows: w, g, m, v, step)::
+
+        g = g / clip                       (CLIP: clip = max(||g_all|| / max_norm, 1), stored)
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g^2
+        u = (m / bc1) / (sqrt(v / bc2) + eps) + weight_decay * w
+
+    ``u`` is not stored: the second pass recomputes it from the stored moments
+    (reading m, v, w there moves as many bytes as writing u here and reading it
+    back, and needs no buffer). With NORMS, the chunk's sums of ``w^2`` and
+    ``u^2`` go to ``partials[2c]``, ``partials[2c + 1]``. The step is read as
+    stored, before ``reduce_chunks`` counts it, hence the offset 1.
+    """
+    c = chunk0 + tl.program_id(0)
+    t, start, n = _chunk(chunk_tensor, chunk_start, numel, c, CHUNK)
+    w_ptr = _row(ptrs, 0, n_tensors, t, W) + start
+    g_ptr = _row(ptrs, 1, n_tensors, t, W) + start
+    m_ptr = _row(ptrs, 2, n_tensors, t, S) + start
+    v_ptr = _row(ptrs, 3, n_tensors, t, S) + start
+    bc1, bc2 = _bias_corrections(_row(ptrs, 4, n_tensors, t, tl.float32), 1.0, log_beta1,
+                                 log_beta2, BIAS)
+    if CLIP:
+        norm = tl.sqrt(tl.load(total))
+        clip = tl.where(norm > _f64(max_norm), norm / _f64(max_norm), 1.0).to(C)
+    b1 = _f64(beta1).to(C)
+    b2 = _f64(beta2).to(C)
+    a1 = (1.0 - _f64(beta1)).to(C)
+    a2 = (1.0 - _f64(beta2)).to(C)
+    c1 = bc1.to(C)
+    c2 = bc2.to(C)
+    e = _f64(eps).to(C)
+    wd = _f64(weight_decay).to(C)
+    acc_w = tl.zeros((BLOCK,), C)
+    acc_u = tl.zeros((BLOCK,), C)
+    i = 0
+    while i < n:
+        offs = i + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(C)
+        if CLIP:
+            g = g / clip
+            _store(g_ptr + offs, g, mask, W)
+        m = b1 * tl.load(m_ptr + offs, mask=mask, other=0.0).to(C) + a1 * g
+        v = b2 * tl.load(v_ptr + offs, mask=mask, other=0.0).to(C) + a2 * g * g
+        _store(m_ptr + offs, m, mask, S)
+        _store(v_ptr + offs, v, mask, S)
+        if NORMS:
+            w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(C)
+            u = (m / c1) / (_sqrt(v / c2, C) + e) + wd * w
+            u = tl.where(mask, u, 0.0)  # eps = 0 makes 0 / 0 on masked lanes
+            acc_w += w * w
+            acc_u += u * u
+        i += BLOCK
+    if NORMS:
+        tl.store(partials + 2 * c, tl.sum(acc_w, 0).to(tl.float64))
+        tl.store(partials + 2 * c + 1, tl.sum(acc_u, 0).to(tl.float64))
+
+
+@_device_function
+def _lamb_ratio(squares, t, TRUST_CLIP: tl.constexpr):
+    """``||w|| / ||u||`` from the squared norms, 1 where either is 0; capped at 1
+    with TRUST_CLIP (``_steps.lamb_trust_ratio``)."""
+    w_norm = tl.sqrt(tl.load(squares + 2 * t))
+    u_norm = tl.sqrt(tl.load(squares + 2 * t + 1))
+    skip = (w_norm == 0.0) | (u_norm == 0.0)
+    ratio = w_norm / tl.where(skip, 1.0, u_norm)
+    if TRUST_CLIP:
+        ratio = tl.minimum(ratio, 1.0)
+    return tl.where(skip, 1.0, ratio)
+
+
+@triton.jit(do_not_specialize=["n_tensors", "chunk0"])
+def lamb_update(ptrs, n_tensors, chunk_tensor, chunk_start, numel, squares, chunk0, lr_ptr,
+                lr_value: tl.float64, log_beta1: tl.float64, log_beta2: tl.float64,
+                eps: tl.float64, weight_decay: tl.float64, ratios, positions,
+                W: tl.constexpr, S: tl.constexpr, C: tl.constexpr, BIAS: tl.constexpr,
+                ADAPT: tl.constexpr, TRUST_CLIP: tl.constexpr, LR_PTR: tl.constexpr,
+                TRACK: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """LAMB's second pass: ``w -= lr * ratio * u``, ``u`` recomputed from the stored
+    moments exactly as the first pass computed it (the step now counted). The
+    tensor's first chunk records the ratio at ``ratios[positions[t]]`` (TRACK)."""
+    c = chunk0 + tl.program_id(0)
+    t, start, n = _chunk(chunk_tensor, chunk_start, numel, c, CHUNK)
+    w_ptr = _row(ptrs, 0, n_tensors, t, W) + start
+    m_ptr = _row(ptrs, 2, n_tensors, t, S) + start
+    v_ptr = _row(ptrs, 3, n_tensors, t, S) + start
+    bc1, bc2 = _bias_corrections(_row(ptrs, 4, n_tensors, t, tl.float32), 0.0, log_beta1,
+                                 log_beta2, BIAS)
+    ratio = _lamb_ratio(squares, t, TRUST_CLIP) if ADAPT else _f64(1.0)
+    if TRACK:
+        tl.store(ratios + tl.load(positions + t), ratio, mask=start == 0)
+    scale = (-_rate(lr_ptr, lr_value, LR_PTR) * ratio).to(C)
+    c1 = bc1.to(C)
+    c2 = bc2.to(C)
+    e = _f64(eps).to(C)
+    wd = _f64(weight_decay).to(C)
+    i = 0
+    while i < n:
+        offs = i + tl.arange(0, BLOCK)
+        mask = offs < n
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(C)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(C)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(C)
+        u = (m / c1) / (_sqrt(v / c2, C) + e) + wd * w
+        _store(w_ptr + offs, w + scale * u, mask, W)
+        i += BLOCK
+
+
+@triton.jit(do_not_specialize=["n_tensors", "chunk0"])
+def lars_norms(ptrs, n_tensors, chunk_tensor, chunk_start, numel, partials, chunk0,
+               W: tl.constexpr, C: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """LARS's first pass: the chunk's sums of ``w^2`` and ``g^2`` into ``partials``."""
+    c = chunk0 + tl.program_id(0)
+    t, start, n = _chunk(chunk_tensor, chunk_start, numel, c, CHUNK)
+    w_ptr = _row(ptrs, 0, n_tensors, t, W) + start
+    g_ptr = _row(ptrs, 1, n_tensors, t, W) + start
+    acc_w = tl.zeros((BLOCK,), C)
+    acc_g = tl.zeros((BLOCK,), C)
+    i = 0
+    while i < n:
+        offs = i + tl.arange(0, BLOCK)
+        mask = offs < n
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(C)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(C)
+        acc_w += w * w
+        acc_g += g * g
+        i += BLOCK
+    tl.store(partials + 2 * c, tl.sum(acc_w, 0).to(tl.float64))
+    tl.store(partials + 2 * c + 1, tl.sum(acc_g, 0).to(tl.float64))
+
+
+@_device_function
+def _lars_local_lr(squares, t, lr, coeff, weight_decay, eps, TRUST_CLIP: tl.constexpr):
+    """``_steps.lars_local_lr`` in float64: ``lr * coeff * ||w|| / (||g|| + wd ||w|| + eps)``
+    (TRUST_CLIP: the adaptive rate capped at lr); lr where either norm is 0."""
+    w_norm = tl.sqrt(tl.load(squares + 2 * t))
+    g_norm = tl.sqrt(tl.load(squares + 2 * t + 1))
+    skip = (w_norm == 0.0) | (g_norm == 0.0)
+    adaptive = coeff * w_norm / tl.where(skip, 1.0, g_norm + weight_decay * w_norm + eps)
+    local = tl.minimum(adaptive, lr) if TRUST_CLIP else lr * adaptive
+    return tl.where(skip, lr, local)
+
+
+@triton.jit(do_not_specialize=["n_tensors", "chunk0"])
+def lars_update(ptrs, n_tensors, chunk_tensor, chunk_start, numel, squares, chunk0, prev_lrs,
+                lr_ptr, lr_value: tl.float64, momentum: tl.float64, weight_decay: tl.float64,
+                coeff: tl.float64, eps: tl.float64, ratios, positions, W: tl.constexpr,
+                S: tl.constexpr, C: tl.constexpr, ADAPT: tl.constexpr,
+                TRUST_CLIP: tl.constexpr, NESTEROV: tl.constexpr, LR_PTR: tl.constexpr,
+                TRACK: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """LARS's second pass (rows: w, g, b, local_lr), ``_steps.lars_momentum_coefficients``
+    then the momentum step, in the buffer's units (see ``lars.py``)::
+
+        d = g + weight_decay * w
+        b = carry * b + d_coef * d
+        w = w - unit * b                   (Nesterov: w - momentum * unit * b - local_lr * d)
+
+    The tensor's first chunk stores ``unit`` as its new ``local_lr`` (every chunk
+    read the previous one from ``prev_lrs``) and, with TRACK, ``local_lr / lr``.
+    """
+    c = chunk0 + tl.program_id(0)
+    t, start, n = _chunk(chunk_tensor, chunk_start, numel, c, CHUNK)
+    lr = _rate(lr_ptr, lr_value, LR_PTR)
+    mu = _f64(momentum)
+    wd64 = _f64(weight_decay)
+    if ADAPT:
+        local_lr = _lars_local_lr(squares, t, lr, _f64(coeff), wd64, _f64(eps), TRUST_CLIP)
+    else:
+        local_lr = lr
+    prev = tl.load(prev_lrs + t)
+    zero = local_lr == 0.0
+    unit = tl.where(zero, tl.where(prev == 0.0, 1.0, prev), local_lr)
+    first = start == 0
+    _store(_row(ptrs, 3, n_tensors, t, S), unit, first, S)
+    if TRACK:
+        if ADAPT:
+            ratio = tl.where(lr == 0.0, 1.0, local_lr / tl.where(lr == 0.0, 1.0, lr))
+        else:
+            ratio = _f64(1.0)
+        tl.store(ratios + tl.load(positions + t), ratio, mask=first)
+    carry = (mu * prev / unit).to(C)
+    d_coef = tl.where(zero, 0.0, 1.0).to(C)
+    w_coef = (mu * unit).to(C) if NESTEROV else unit.to(C)
+    d_rate = local_lr.to(C)
+    wd = wd64.to(C)
+    w_ptr = _row(ptrs, 0, n_tensors, t, W) + start
+    g_ptr = _row(ptrs, 1, n_tensors, t, W) + start
+    b_ptr = _row(ptrs, 2, n_tensors, t, S) + start
+    i = 0
+    while i < n:
+        offs = i + tl.arange(0, BLOCK)
+        mask = offs < n
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(C)
+        d = tl.load(g_ptr + offs, mask=mask, other=0.0).to(C) + wd * w
+        b = carry * tl.load(b_ptr + offs, mask=mask, other=0.0).to(C) + d_coef * d
+        _store(b_ptr + offs, b, mask, S)
+        w = w - w_coef * b
+        if NESTEROV:
+            w = w - d_rate * d
+        _store(w_ptr + offs, w, mask, W)
+        i += BLOCK
+
+
+def dtype(torch_dtype) -> tl.dtype:
+    """Triton's name for a torch floating-point dtype."""
+    return {"torch.float32": tl.float32, "torch.float64": tl.float64,
+            "torch.bfloat16": tl.bfloat16, "torch.float16": tl.float16}[str(torch_dtype)]

@@ -1,0 +1,158 @@
+"""LAMB and LARS steps with the Triton kernels: the launches of one step, in order.
+
+Per step, whatever the number of tensors (a bucket is a param group's tensors
+of one dtype pair; usually one or two buckets):
+
+- LAMB: [clipping: ``sum_squares`` per bucket, ``reduce_chunks``, one sum];
+  ``lamb_moments`` per bucket; ``reduce_chunks`` per bucket (norms, step + 1);
+  ``lamb_update`` per bucket.
+- LARS: ``lars_norms`` per adapted bucket; ``reduce_chunks`` per bucket
+  (norms, previous local_lr); ``lars_update`` per bucket.
+
+DTensor parameters (FSDP2, tensor parallel): the kernels run on the local
+shards, and between the passes the per-tensor squared norms of all shards go
+through ``_norms.sum_over_shards`` together: one all-reduce per step (one more
+for LAMB's global clipping), as in the other kernels.
+
+Nothing is read to the host and no Python branch depends on a tensor's value:
+the step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _triton_plan as plan
+from ._norms import sum_over_shards
+
+
+def lamb_triton(runs, max_grad_norm: float | None, ratios: list | None,
+                workspace: dict | None) -> None:
+    """LAMB over ``runs`` = ``(opts, params, grads, states)`` per group, states
+    ``(step, exp_avg, exp_avg_sq)``; see ``lamb.lamb`` for the update."""
+    clip = max_grad_norm is not None
+    # Rows w, g, m, v, step: the streamed ones first.
+    runs = [(o, ps, gs, [(m, v, s) for s, m, v in ss]) for o, ps, gs, ss in runs]
+    step = plan.prepare(workspace, runs, streamed=4, written=(0, 2, 3) + ((1,) if clip else ()))
+    k = plan.kernels(step.device)
+    lay = step.layout
+    tables = (step.ptrs, step.n, lay.chunk_tensor, lay.chunk_start, lay.numel)
+    sizes = dict(CHUNK=plan.CHUNK, BLOCK=plan.BLOCK)
+    total = lay.squares  # a placeholder pointer unless clipping
+    if clip:
+        partials = lay.grad_partials()
+        squares = lay.scalars
+        for b in step.buckets:
+            plan.launch(k.sum_squares, b.chunks, *tables, partials, b.chunk0, 1,
+                        W=k.dtype(b.weight_dtype), C=_compute(k, b), **sizes)
+        _reduce(k, step, partials, squares, K=1, mode=0)
+        if step.sharded:
+            sum_over_shards(squares, step.owners)
+        total = squares.sum()
+    for b in step.buckets:
+        o = b.opts
+        beta1, beta2 = o["betas"]
+        plan.launch(k.lamb_moments, b.chunks, *tables, lay.partials, b.chunk0, total,
+                    float(beta1), float(beta2), _log(beta1), _log(beta2), float(o["eps"]),
+                    float(o["weight_decay"]), float(max_grad_norm or 0.0),
+                    W=k.dtype(b.weight_dtype), S=k.dtype(b.state_dtype), C=_compute(k, b),
+                    BIAS=bool(o["bias_correction"]), NORMS=bool(o["adapt"]), CLIP=clip,
+                    **sizes)
+    for b in step.buckets:
+        _reduce(k, step, lay.partials, lay.squares, K=2, mode=1, bucket=b)
+    _sum_norms_over_shards(step)
+    out = _ratios(step, ratios)
+    for b in step.buckets:
+        o = b.opts
+        beta1, beta2 = o["betas"]
+        lr_ptr, lr_value, lr_is_ptr = _rate(o["lr"], step)
+        plan.launch(k.lamb_update, b.chunks, *tables, lay.squares, b.chunk0, lr_ptr, lr_value,
+                    _log(beta1), _log(beta2), float(o["eps"]), float(o["weight_decay"]),
+                    out, lay.positions, W=k.dtype(b.weight_dtype), S=k.dtype(b.state_dtype),
+                    C=_compute(k, b), BIAS=bool(o["bias_correction"]), ADAPT=bool(o["adapt"]),
+                    TRUST_CLIP=bool(o["trust_clip"]), LR_PTR=lr_is_ptr,
+                    TRACK=ratios is not None, **sizes)
+    step.copy_back()
+
+
+def lars_triton(runs, ratios: list | None, workspace: dict | None) -> None:
+    """LARS over ``runs`` = ``(opts, params, grads, states)`` per group, states
+    ``(momentum_buffer, local_lr)``; see ``lars.lars`` for the update."""
+    step = plan.prepare(workspace, runs, streamed=3, written=(0, 2))
+    k = plan.kernels(step.device)
+    lay = step.layout
+    tables = (step.ptrs, step.n, lay.chunk_tensor, lay.chunk_start, lay.numel)
+    sizes = dict(CHUNK=plan.CHUNK, BLOCK=plan.BLOCK)
+    for b in step.buckets:
+        if b.opts["adapt"]:
+            plan.launch(k.lars_norms, b.chunks, *tables, lay.partials, b.chunk0,
+                        W=k.dtype(b.weight_dtype), C=_compute(k, b), **sizes)
+    for b in step.buckets:
+        _reduce(k, step, lay.partials, lay.squares, K=2, mode=2, bucket=b)
+    _sum_norms_over_shards(step)
+    out = _ratios(step, ratios)
+    for b in step.buckets:
+        o = b.opts
+        lr_ptr, lr_value, lr_is_ptr = _rate(o["lr"], step)
+        plan.launch(k.lars_update, b.chunks, *tables, lay.squares, b.chunk0, lay.scalars,
+                    lr_ptr, lr_value, float(o["momentum"]), float(o["weight_decay"]),
+                    float(o["trust_coefficient"]), float(o["eps"]), out, lay.positions,
+                    W=k.dtype(b.weight_dtype), S=k.dtype(b.state_dtype), C=_compute(k, b),
+                    ADAPT=bool(o["adapt"]), TRUST_CLIP=bool(o["trust_clip"]),
+                    NESTEROV=bool(o["nesterov"]), LR_PTR=lr_is_ptr,
+                    TRACK=ratios is not None, **sizes)
+    step.copy_back()
+
+
+def _reduce(k, step: plan.Step, partials, squares, K: int, mode: int, bucket=None) -> None:
+    """``reduce_chunks`` over one bucket's tensors (all tensors when ``bucket`` is None)."""
+    first, count = (0, step.n) if bucket is None else (bucket.first, bucket.count)
+    state = k.dtype(bucket.state_dtype) if bucket is not None else k.dtype(torch.float32)
+    plan.launch(k.reduce_chunks, count, partials, step.layout.first_chunk, squares, step.ptrs,
+                step.n, first, step.layout.scalars, 4 if mode == 1 else 3, K=K, MODE=mode,
+                S=state, BLOCK=plan.REDUCE_BLOCK)
+
+
+def _sum_norms_over_shards(step: plan.Step) -> None:
+    """DTensor shards: every tensor's two squared norms summed over its mesh, in one call."""
+    if step.sharded:
+        sum_over_shards(step.layout.squares, [w for w in step.owners for _ in range(2)])
+
+
+def _ratios(step: plan.Step, ratios: list | None) -> torch.Tensor:
+    """Where the trust ratios go: a fresh tensor appended to ``ratios`` (in the callers'
+    order), or a placeholder the kernels never write."""
+    if ratios is None:
+        return step.layout.squares
+    out = torch.empty(step.n, dtype=torch.float64, device=step.device)
+    ratios.append(out)
+    return out
+
+
+def _rate(lr, step: plan.Step) -> tuple[torch.Tensor, float, bool]:
+    """(pointer, value, whether to read the pointer) for a float or tensor learning rate.
+
+    A 0-d tensor on the parameters' device is read by the kernels (a scheduler may
+    change it between graph replays); one on the CPU is read here, which does not
+    wait for the device.
+    """
+    if isinstance(lr, torch.Tensor):
+        if lr.device == step.device:
+            return lr, 0.0, True
+        if lr.device.type == "cpu":
+            return step.layout.squares, float(lr), False
+        return lr.to(step.device), 0.0, True
+    return step.layout.squares, float(lr), False
+
+
+def _compute(k, bucket: plan.Bucket):
+    """Elementwise arithmetic in float64 for float64 tensors, float32 otherwise."""
+    wide = torch.float64 in (bucket.weight_dtype, bucket.state_dtype)
+    return k.dtype(torch.float64 if wide else torch.float32)
+
+
+def _log(beta: float) -> float:
+    """``log(beta)`` for the kernels' ``beta^t = exp(t log beta)`` (beta = 0: -inf, so 0)."""
+    return math.log(beta) if beta > 0 else -math.inf
