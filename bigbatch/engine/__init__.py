@@ -109,6 +109,21 @@ workers hold different weights in between, so call `run.synchronize()` before
 evaluating (`run.state_dict()` calls it, and must come before `model.state_dict()`).
 `run.apply_gradients(grads)` steps on gradients computed elsewhere (the parameter
 server's servers run their optimizer through it).
+
+How the engine is built (for maintainers). Each piece of a run's state has one owner,
+and the helpers get the part they change, never the run:
+
+- `clock.ScheduleClock` (`run.clock`): schedule, progress, step counters; the only writer
+  of the LR (`apply`). AdaScale calls `set_gain`, a policy sets `run.lr_scale`.
+- `merge.MergeWindow` (`run.window`): micro-step position, loss multipliers and counts,
+  DDP's `no_sync` / FSDP2's gradient sync, the first micro-step's norm.
+- `batch.BatchControl` (`run.batch`): `plan` and its `changes`; `set` resizes the window,
+  re-peaks the clock and tells its listeners (the adaptive controller).
+- `step`: the step's stages, normalize -> unscale -> statistics -> clip -> optimizer step
+  -> schedule, run in that order by `Run._finish_step`; clipping is `bigbatch.optim.clip`.
+- `grad_info`, `adaptive`, `kfac`, `pipeline_gns`, `local_norms`, `policies`: the hooks,
+  each built from the clock, window, batch and optimizer it uses.
+- `state`: `Run.state_dict()` as each part's state, in the checkpoint's flat layout.
 """
 
 from .prepare import prepare

@@ -37,8 +37,11 @@ from bigbatch.engine.local_norms import install_local_norms, preconditioned_grad
 from bigbatch.errors import ConfigError
 
 if TYPE_CHECKING:
+    from bigbatch.engine.batch import BatchControl
+    from bigbatch.engine.clock import ScheduleClock
     from bigbatch.engine.grad_info import GradInfo
-    from bigbatch.engine.protocol import RunLike
+    from bigbatch.engine.merge import MergeWindow
+    from bigbatch.engine.run import Run
 
 __all__ = ["Adaptive", "attach", "check", "schedule_steps"]
 
@@ -129,26 +132,30 @@ class Adaptive:
     `tuner` yourself), `limit_batch_size()`, `decide()`, `stats()`.
     """
 
-    def __init__(self, run: RunLike) -> None:
-        strategy = run.strategy
+    def __init__(self, strategy: Any, optimizer: torch.optim.Optimizer, world: Any,
+                 clock: ScheduleClock, window: MergeWindow, batch: BatchControl) -> None:
         a = strategy.adaptive
-        self.run = run
         self.config = a
+        self._optimizer = optimizer
+        self._world = world
+        self._clock = clock
+        self._window = window
+        self._batch = batch
         self.preconditioned = strategy.optimizer.type == "adamw"
         """Norms of ``g / (sqrt(v) + eps)`` (AdamW, LAMB) instead of ``g``."""
         self.tracker = GradientNoiseScale(a.gns_ema)
         self.adascale: AdaScale | None = None
         if a.lr == "adascale":
             power = 0.5 if self.preconditioned else 1.0
-            self.adascale = AdaScale(strategy.batch.base_batch_size, run.plan.global_batch_size,
+            self.adascale = AdaScale(strategy.batch.base_batch_size, batch.plan.global_batch_size,
                                      power=power)
         self.tuner: GoodputTuner | None = None
         if a.goodput:
             # Limits from the configured batch, not from one a resume restored (`prepare(plan=)`).
             try:
-                configured = strategy.resolve(run.world.world_size)
+                configured = strategy.resolve(world.world_size)
             except ConfigError:
-                configured = run.plan
+                configured = batch.plan
             lo, hi = _goodput_limits(a, configured)
             self.tuner = GoodputTuner(strategy.batch.base_batch_size, min_batch_size=lo,
                                       max_batch_size=hi,
@@ -173,20 +180,20 @@ class Adaptive:
         if self.adascale is not None:
             self.flush()
             t = self.tracker
-            self.run.lr_scale = self.adascale.update(t.sq_norm, t.trace)
-            self.run.progress_rate = self.adascale.last_gain
+            scale = self.adascale.update(t.sq_norm, t.trace)
+            self._clock.set_gain(scale, self.adascale.last_gain)
 
     def _measure(self, info: GradInfo) -> None:
-        run = self.run
-        if self.preconditioned and not run.optimizer.state:
+        optimizer, window = self._optimizer, self._window
+        if self.preconditioned and not optimizer.state:
             return  # no second moments before the first step: nothing to precondition with
-        opt_factor = 1.0 if run.avg else float(run.k_steps)  # avg=false grads are k x the mean
+        opt_factor = 1.0 if window.avg else float(window.k_steps)  # avg=false: k x the mean
         if info.has_local_sq_norm:
             self._source(biased=False)
             if info.big_sq_norm is not None:  # a pipeline's: summed over its stages
                 big = info.big_sq_norm
             elif self.preconditioned:
-                big = sq_norm(preconditioned_grads(run.optimizer, info.params,
+                big = sq_norm(preconditioned_grads(optimizer, info.params,
                                                    [p.grad for p in info.params]))
             else:
                 big = info.global_sq_norm()
@@ -197,7 +204,7 @@ class Adaptive:
         else:
             self._source(biased=True)
             if self.preconditioned:
-                grads = preconditioned_grads(run.optimizer, info.params,
+                grads = preconditioned_grads(optimizer, info.params,
                                              [p.grad for p in info.params])
             else:
                 grads = info.grads()
@@ -237,7 +244,7 @@ class Adaptive:
                                           "trace": est.trace, "small_batch": small_b,
                                           "big_batch": big_b})
 
-    def on_step(self, run: RunLike) -> None:
+    def on_step(self, run: Run) -> None:
         """Goodput's step (the ``goodput`` policy's `after_step`): record the step time;
         every `interval_steps`, decide."""
         if self.measure_step_time:
@@ -254,31 +261,31 @@ class Adaptive:
     def decide(self) -> Suggestion:
         """Ask the tuner now; apply a change. Every worker applies rank 0's decision."""
         self.flush()
-        run = self.run
-        s = self.tuner.suggest(run.plan.micro_batch_size, run.k_steps, run.world.world_size,
-                               self.tracker.b_simple)
-        if run.world.is_distributed and dist.is_initialized():
+        batch, world, step = self._batch, self._world, self._clock.step
+        s = self.tuner.suggest(batch.plan.micro_batch_size, self._window.k_steps,
+                               world.world_size, self.tracker.b_simple)
+        if world.is_distributed and dist.is_initialized():
             box = [s]
             dist.broadcast_object_list(box, src=0)
             s = box[0]
         self.last_suggestion = s
         if s.changed:
-            old = run.plan
-            self.run.set_batch(s.micro_batch_size, s.k_steps)
-            entry = {"step": run.step, "old": old.global_batch_size,
-                     "new": run.plan.global_batch_size, "micro_batch_size": s.micro_batch_size,
+            old = batch.plan
+            batch.set(s.micro_batch_size, s.k_steps)
+            entry = {"step": step, "old": old.global_batch_size,
+                     "new": batch.plan.global_batch_size, "micro_batch_size": s.micro_batch_size,
                      "k_steps": s.k_steps, "reason": s.reason}
-            run.batch_size_changes.append(entry)
-            if run.world.is_main:
-                log.info("step %d: %s", run.step, s.reason)
+            batch.changes.append(entry)
+            if world.is_main:
+                log.info("step %d: %s", step, s.reason)
         else:
-            log.debug("step %d: %s", run.step, s.reason)
+            log.debug("step %d: %s", step, s.reason)
         return s
 
     def on_batch_change(self) -> None:
-        """Called by `Run.set_batch` (goodput's decisions, an elastic resume)."""
+        """A `BatchControl` listener (goodput's decisions, policies, an elastic resume)."""
         if self.adascale is not None:  # batch.scaling is "none": its gain scales the LR
-            self.adascale.set_batch_size(self.run.plan.global_batch_size)
+            self.adascale.set_batch_size(self._batch.plan.global_batch_size)
         self._consecutive.reset()
         self._warm = 1
 
@@ -295,7 +302,7 @@ class Adaptive:
     def stats(self) -> dict[str, float]:
         """Numbers for `run.stats` (finite ones only; none before the first estimate)."""
         self.flush()
-        t, run, out = self.tracker, self.run, {}
+        t, plan, out = self.tracker, self._batch.plan, {}
         if t.steps:
             for key, value in (("gns", t.b_simple), ("gns_stderr", t.b_simple_stderr),
                                ("gns_sq_norm", t.sq_norm), ("gns_trace", t.trace)):
@@ -305,11 +312,11 @@ class Adaptive:
         if self.adascale is not None:
             out["adascale_gain"] = float(self.adascale.last_gain)
         if self.adascale is not None or self.tuner is not None:
-            out["progress"] = float(run.progress)
+            out["progress"] = float(self._clock.progress)
         if self.tuner is not None or "noise_scale_doubling" in self.config.policies:
-            out["global_batch_size"] = float(run.plan.global_batch_size)
-            out["micro_batch_size"] = float(run.plan.micro_batch_size)
-            out["k_steps"] = float(run.k_steps)
+            out["global_batch_size"] = float(plan.global_batch_size)
+            out["micro_batch_size"] = float(plan.micro_batch_size)
+            out["k_steps"] = float(self._window.k_steps)
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -318,34 +325,36 @@ class Adaptive:
             "tracker": self.tracker.state_dict(),
             "adascale": None if self.adascale is None else self.adascale.state_dict(),
             "tuner": None if self.tuner is None else self.tuner.state_dict(),
-            "batch_size_changes": [dict(c) for c in self.run.batch_size_changes],
+            "batch_size_changes": [dict(c) for c in self._batch.changes],
             "consecutive": self._consecutive.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        run = self.run
+        batch = self._batch
         self._pending = []
         self.tracker.load_state_dict(state["tracker"])
         if self.adascale is not None and state.get("adascale") is not None:
             self.adascale.load_state_dict(state["adascale"])
-            self.adascale.set_batch_size(run.plan.global_batch_size)
+            self.adascale.set_batch_size(batch.plan.global_batch_size)
         if self.tuner is not None and state.get("tuner") is not None:
             self.tuner.load_state_dict(state["tuner"])
-        run.batch_size_changes[:] = [dict(c) for c in state.get("batch_size_changes", [])]
-        self._consecutive.load_state_dict(state["consecutive"], run.world.device)
+        batch.changes[:] = [dict(c) for c in state.get("batch_size_changes", [])]
+        self._consecutive.load_state_dict(state["consecutive"], self._world.device)
         self._warm = 1
 
 
-def attach(run: RunLike) -> Adaptive:
+def attach(run: Run) -> Adaptive:
     """Build the controller for `run.strategy.adaptive` and register its hooks on `run`
     (goodput's step runs as the ``goodput`` policy, `bigbatch.engine.policies`)."""
-    ctl = Adaptive(run)
+    ctl = Adaptive(run.strategy, run.optimizer, run.world, run.clock, run.window, run.batch)
     if run.pipeline is not None:  # micro-batch 0 against the step, summed over the stages
         from bigbatch.engine.pipeline_gns import PipelineNorms
 
         run.pipeline_norms = PipelineNorms(run, ctl.preconditioned)
     else:
-        install_local_norms(run, ctl.preconditioned)
+        install_local_norms(run.window, run.comm, run.optimizer, run.params,
+                            run.world.device, ctl.preconditioned)
+    run.batch.listeners.append(ctl.on_batch_change)
     run.grad_hooks.insert(0, ctl.on_grads)  # first: AdaScale sets this step's LR scale
     if ctl.tuner is not None:
         run.sync_timing = True

@@ -17,7 +17,7 @@ from bigbatch.optim._norms import global_norm, is_dtensor
 from bigbatch.parallel.world import all_reduce_sum
 
 if TYPE_CHECKING:
-    from bigbatch.engine.protocol import RunLike
+    from bigbatch.engine.merge import MergeWindow
 
 __all__ = ["GradInfo", "grad_info", "small_batch_sq_norm", "sq_norm"]
 
@@ -43,12 +43,11 @@ class GradInfo:
     taken (not on fp16 overflow steps). Everything here is scalars or references.
     """
 
-    def __init__(self, run: RunLike, params: list[torch.Tensor], local_sq_norm: torch.Tensor | None,
-                 local_batch: float | None, global_batch: float,
-                 pending: tuple[Any, float] | None = None,
+    def __init__(self, step: int, params: list[torch.Tensor],
+                 local_sq_norm: torch.Tensor | None, local_batch: float | None,
+                 global_batch: float, pending: tuple[Any, float] | None = None,
                  big_sq_norm: torch.Tensor | None = None) -> None:
-        self.run = run
-        self.step = run.step
+        self.step = step
         """Optimizer step about to be taken (0-based)."""
         self.params = params
         """Parameters whose `.grad` the optimizer will use (unscaled, all-reduced)."""
@@ -97,18 +96,18 @@ class GradInfo:
         return self._global_sq
 
 
-def grad_info(run: RunLike, local_raw: torch.Tensor | None, local_count: Any,
+def grad_info(step: int, params: list[torch.Tensor], window: MergeWindow, scale: float,
+              data_degree: int, local_raw: torch.Tensor | None, local_count: Any,
               total_count: Any) -> GradInfo:
-    """This step's `GradInfo`: from a pipeline's collector (`run.pipeline_norms`,
-    `bigbatch.engine.pipeline_gns`), else from `small_batch_sq_norm`."""
-    if run.pipeline_norms is not None:
-        return run.pipeline_norms.grad_info(local_count, total_count)
+    """This step's `GradInfo` from the window's and the comm hook's small-batch norms
+    (`small_batch_sq_norm`); `scale` is the fp16 loss scale (1 without)."""
     local_sq, local_batch, global_batch, pending = small_batch_sq_norm(
-        run, local_raw, local_count, total_count)
-    return GradInfo(run, run._params, local_sq, local_batch, global_batch, pending)
+        window, scale, data_degree, local_raw, local_count, total_count)
+    return GradInfo(step, params, local_sq, local_batch, global_batch, pending)
 
 
-def small_batch_sq_norm(run: RunLike, local_raw: torch.Tensor | None, local_count: Any,
+def small_batch_sq_norm(window: MergeWindow, scale: float, data_degree: int,
+                        local_raw: torch.Tensor | None, local_count: Any,
                         total_count: Any) -> tuple[torch.Tensor | None, float | None, float,
                                                    tuple[Any, float] | None]:
     """(small-batch |g|^2, its item count, the global item count, pending) for this step.
@@ -122,29 +121,28 @@ def small_batch_sq_norm(run: RunLike, local_raw: torch.Tensor | None, local_coun
     in the optimizer's gradient units: the mean gradient of their items, times k
     when avg=false (as the merged gradient is).
     """
-    W, k = run.mesh.data_degree, run.k_steps
-    scale = run.scaler.scale_value if run.scaler is not None else 1.0
-    opt_factor = 1.0 if run.avg else float(k)
-    count_mode = run._mode == "count"
+    W, k, micro = data_degree, window.k_steps, window.micro_batch_size
+    opt_factor = 1.0 if window.avg else float(k)
+    count_mode = window.mode == "count"
     if count_mode:
         local_count, total_count = float(local_count), float(total_count)
-    global_batch = total_count if count_mode else float(run.plan.micro_batch_size * k * W)
+    global_batch = total_count if count_mode else float(micro * k * W)
     if local_raw is not None:  # DDP: each worker's merged gradient before the all-reduce
         if count_mode:
-            unit = scale * run._count_mult * local_count / opt_factor
+            unit = scale * window.count_mult * local_count / opt_factor
             local_batch = total_count / W
         else:
             unit = scale
-            local_batch = float(run.plan.micro_batch_size * k)
+            local_batch = float(micro * k)
         local_sq = local_raw / (unit * unit)
         return local_sq, local_batch, global_batch, (all_reduce_sum(local_sq, async_op=True), W)
-    if run._first_sq is not None:  # one worker with merge: the first micro-step
+    if window.first_sq is not None:  # one worker with merge: the first micro-step
         if count_mode:
-            first = float(run._first_count)
-            unit = scale * run._count_mult * first / opt_factor
+            first = float(window.first_count)
+            unit = scale * window.count_mult * first / opt_factor
             local_batch = first
         else:
-            unit = scale * run._mean_mult / opt_factor
-            local_batch = float(run.plan.micro_batch_size)
-        return run._first_sq / (unit * unit), local_batch, global_batch, None
+            unit = scale * window.mean_mult / opt_factor
+            local_batch = float(micro)
+        return window.first_sq / (unit * unit), local_batch, global_batch, None
     return None, None, global_batch, None

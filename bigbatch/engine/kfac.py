@@ -43,8 +43,10 @@ from bigbatch.optim import kfac as K
 from bigbatch.parallel.world import all_reduce_sum
 
 if TYPE_CHECKING:
+    from bigbatch.engine.clock import ScheduleClock
     from bigbatch.engine.grad_info import GradInfo
-    from bigbatch.engine.protocol import RunLike
+    from bigbatch.engine.merge import MergeWindow
+    from bigbatch.engine.run import Run
 
 __all__ = ["KFAC", "attach_kfac"]
 
@@ -100,12 +102,19 @@ class KFAC:
     Build with `attach_kfac(run)`; `layers` lists the preconditioned modules.
     """
 
-    def __init__(self, run: RunLike, config: Any) -> None:
-        self.run = run
+    def __init__(self, module: nn.Module, config: Any, *, clock: ScheduleClock,
+                 window: MergeWindow, scaler: Any, world: Any, mesh: Any,
+                 track_grad_norm: bool = False) -> None:
         self.config = config
+        self._clock = clock
+        self._window = window
+        self._scaler = scaler
+        self._world = world
+        self._mesh = mesh
+        self._track_grad_norm = track_grad_norm
         self.layers = [
             _Layer(name, m, torch.promote_types(m.weight.dtype, torch.float32))
-            for name, m in select_layers(run.module, tuple(config.layers), tuple(config.exclude))]
+            for name, m in select_layers(module, tuple(config.layers), tuple(config.exclude))]
         self.factor_updates = 0
         """Factor updates taken (the first one starts the running average)."""
         self.kl_scale: torch.Tensor | None = None
@@ -124,7 +133,7 @@ class KFAC:
     # ------------------------------------------------------------------ collecting
 
     def _collecting(self) -> bool:
-        return self.run.step % self.config.factor_update_freq == 0
+        return self._clock.step % self.config.factor_update_freq == 0
 
     def _forward(self, layer: _Layer, module: nn.Module, inputs: tuple[Any, ...],
                  output: Any) -> None:
@@ -132,8 +141,8 @@ class KFAC:
             return
         if torch._C._current_graph_task_id() != -1:  # recomputed in backward: no new sample
             return
-        run = self.run
-        if self._has_sums and run.micro == 0 and run._mode is None:
+        window = self._window
+        if self._has_sums and window.micro == 0 and window.mode is None:
             self._clear_sums()  # a window that ended without a step (overflow, skip)
         x = inputs[0].detach()
         # Factors in the layer's factor dtype even inside autocast (fp16 products overflow).
@@ -144,9 +153,9 @@ class KFAC:
 
     def _output_grad(self, layer: _Layer, a_sum: torch.Tensor, rows: int,
                      grad: torch.Tensor) -> None:
-        run = self.run
-        m = run.plan.micro_batch_size
-        per_sample = m / run._mean_mult if run._mode != "count" else float(m)
+        window = self._window
+        m = window.micro_batch_size
+        per_sample = m / window.mean_mult if window.mode != "count" else float(m)
         with torch.no_grad():
             g = K.layer_output_grads(layer.module, grad.detach().to(layer.dtype))
             if layer.sum_A is None:
@@ -168,22 +177,22 @@ class KFAC:
 
     def on_grads(self, info: GradInfo) -> None:
         """The grad hook: update factors and eigenbases when due, then precondition."""
-        run, c = self.run, self.config
-        if run.track_grad_norm:
+        c, world, mesh, clock = self.config, self._world, self._mesh, self._clock
+        if self._track_grad_norm:
             info.global_sq_norm()  # the logged grad norm is the gradient's, not K-FAC's step
-        distributed = run.world.is_distributed and run.mesh.data_degree > 1
+        distributed = world.is_distributed and mesh.data_degree > 1
         # Every rank joins the factor all-reduce, whatever its own layers ran.
         if self._collecting() and (self._has_sums or distributed):
             self._update_factors(float(info.global_batch))
         self._clear_sums()
-        if run.step % c.inv_update_freq == 0 or any(
+        if clock.step % c.inv_update_freq == 0 or any(
                 layer.A is not None and layer.QA is None for layer in self.layers):
             self._update_eigen()
-        self._precondition(run.lr_at(run.progress))
+        self._precondition(clock.lr_at(clock.progress))
 
     def _update_factors(self, samples: float) -> None:
-        run = self.run
-        scale = run.scaler.scale_value if run.scaler is not None else 1.0
+        world, mesh = self._world, self._mesh
+        scale = self._scaler.scale_value if self._scaler is not None else 1.0
         sums = []
         for layer in self.layers:
             da, dg = layer.dims
@@ -191,8 +200,8 @@ class KFAC:
             sa = layer.sum_A if layer.sum_A is not None else w.new_zeros(da, da, dtype=layer.dtype)
             sg = layer.sum_G if layer.sum_G is not None else w.new_zeros(dg, dg, dtype=layer.dtype)
             sums.append([sa, sg, torch.tensor([layer.rows], dtype=layer.dtype, device=w.device)])
-        if run.world.is_distributed and run.mesh.data_degree > 1:
-            _all_reduce_symmetric(sums, run.mesh.dp_group)
+        if world.is_distributed and mesh.data_degree > 1:
+            _all_reduce_symmetric(sums, mesh.dp_group)
         decay = self.config.factor_decay if self.factor_updates else 0.0
         # One host read per factor update: a layer no rank ran this step keeps its factors.
         counts = torch.cat([rows for _, _, rows in sums]).tolist()
@@ -207,12 +216,12 @@ class KFAC:
             self.factor_updates += 1
 
     def _update_eigen(self) -> None:
-        run = self.run
+        world, mesh = self._world, self._mesh
         jobs = [(layer, which) for layer in self.layers if layer.A is not None
                 for which in ("A", "G")]
-        W = run.mesh.data_degree if run.world.is_distributed else 1
+        W = mesh.data_degree if world.is_distributed else 1
         owner = _assign(jobs, W)
-        rank = run.mesh.data_rank if W > 1 else 0
+        rank = mesh.data_rank if W > 1 else 0
         found: list[tuple[torch.Tensor, torch.Tensor]] = []
         for (layer, which), r in zip(jobs, owner, strict=True):
             factor = getattr(layer, which)
@@ -222,7 +231,7 @@ class KFAC:
                 n = factor.shape[0]
                 found.append((factor.new_zeros(n, n), factor.new_zeros(n)))
         if W > 1:
-            _all_reduce_grouped([[q, d] for q, d in found], run.mesh.dp_group)
+            _all_reduce_grouped([[q, d] for q, d in found], mesh.dp_group)
         damping = self.config.damping
         for i in range(0, len(jobs), 2):
             layer = jobs[i][0]
@@ -329,10 +338,12 @@ def _all_reduce_symmetric(sums: list[list[torch.Tensor]], group: Any) -> None:
         rows.copy_(prow)
 
 
-def attach_kfac(run: RunLike) -> KFAC:
+def attach_kfac(run: Run) -> KFAC:
     """Build the `KFAC` of `run.strategy.kfac` and register it on `run` (a grad hook after
     the `[adaptive]` one, so gradient statistics see the gradients K-FAC started from)."""
-    kfac = KFAC(run, run.strategy.kfac)
+    kfac = KFAC(run.module, run.strategy.kfac, clock=run.clock, window=run.window,
+                scaler=run.scaler, world=run.world, mesh=run.mesh,
+                track_grad_norm=run.track_grad_norm)
     run.grad_hooks.append(kfac.on_grads)
     run.state_objects["kfac"] = kfac
     return kfac

@@ -1,6 +1,6 @@
 """Where the `[adaptive]` controller's small-batch gradient norms come from.
 
-`install_local_norms(run, ...)` measures each worker's gradient norm before the
+`install_local_norms(window, comm, ...)` measures each worker's gradient norm before the
 all-reduce inside the engine's DDP comm hook (one scalar per worker) and, for
 AdamW / LAMB, preconditions gradients as ``g / (sqrt(v_hat) + eps)`` first
 (`preconditioned_grads`). Used by `bigbatch.engine.adaptive`.
@@ -16,7 +16,7 @@ import torch
 from bigbatch.adaptive.gns import sq_norm
 
 if TYPE_CHECKING:
-    from bigbatch.engine.protocol import RunLike
+    from bigbatch.engine.merge import MergeWindow
 
 
 def preconditioned_grads(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
@@ -80,22 +80,23 @@ def tensor_sq_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(norms).to(torch.float64).square()
 
 
-def install_local_norms(run: RunLike, preconditioned: bool) -> None:
+def install_local_norms(window: MergeWindow, comm: Any, optimizer: torch.optim.Optimizer,
+                        params: list[torch.Tensor], device: torch.device,
+                        preconditioned: bool) -> None:
     """Small-batch norms: preconditioned for Adam/LAMB, and independent of DDP's buckets.
 
     DDP regroups its buckets after the first step of every run, so a sum over
     buckets would change its rounding after a resume. Each parameter's squared
     norm goes to its own slot of a vector summed in parameter order.
     """
-    opt = run.optimizer
-    if preconditioned:
-        run._first_sq_norm = lambda params: sq_norm(
-            preconditioned_grads(opt, params, [p.grad for p in params]))
-    comm = run._comm
+    opt = optimizer
+    if preconditioned:  # one worker with merge: the first micro-step's norm
+        window.measure_first_with(lambda ps: sq_norm(
+            preconditioned_grads(opt, ps, [p.grad for p in ps])))
     if comm is None or not comm.measure_local:
         return
-    index = {id(p): i for i, p in enumerate(run._params)}
-    slots = torch.zeros(len(run._params), dtype=torch.float64, device=run.world.device)
+    index = {id(p): i for i, p in enumerate(params)}
+    slots = torch.zeros(len(params), dtype=torch.float64, device=device)
     where: dict[tuple[int, ...], torch.Tensor] = {}  # bucket's parameters -> their slots
     inner, inner_state = comm.inner, comm.inner_state
 

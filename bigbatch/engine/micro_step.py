@@ -8,26 +8,38 @@ and on the k-th hands over to the run's step (see `bigbatch.engine`).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from bigbatch.errors import ConfigError
-from bigbatch.parallel.world import all_reduce_sum
-
-if TYPE_CHECKING:
-    from bigbatch.engine.protocol import RunLike
+from bigbatch.engine.merge import MergeWindow
 
 __all__ = ["MicroStep"]
 
 
 class MicroStep:
-    """One micro-step: enter around forward and backward, call `backward` (or `skip`) once."""
+    """One micro-step: enter around forward and backward, call `backward` (or `skip`) once.
 
-    __slots__ = ("_run", "_contexts", "is_last", "stepped", "skipped", "_called", "_t0")
+    Built by `Run.micro_step()` from the parts it uses: the merge window, the loss
+    scaler, the precision and loss contexts, and the run's step as callables.
+    """
 
-    def __init__(self, run: RunLike) -> None:
-        self._run = run
+    __slots__ = ("_window", "_scaler", "_autocast", "_loss_parallel", "_local_sgd", "_timing",
+                 "_finish", "_skip", "_add_time", "_contexts", "is_last", "stepped", "skipped",
+                 "_called", "_t0")
+
+    def __init__(self, window: MergeWindow, *, scaler: Any, autocast: tuple[str, Any] | None,
+                 loss_parallel: bool, local_sgd: Any, timing: Any,
+                 finish: Callable[[float], bool], skip: Callable[[], None],
+                 add_time: Callable[[float], None]) -> None:
+        self._window = window
+        self._scaler = scaler
+        self._autocast = autocast  # (device type, dtype) or None
+        self._loss_parallel = loss_parallel
+        self._local_sgd = local_sgd
+        self._timing = timing
+        self._finish, self._skip, self._add_time = finish, skip, add_time
         self._contexts: list[Any] = []
         self.is_last = False
         """True on the k-th micro-step, the one that all-reduces and steps."""
@@ -39,19 +51,15 @@ class MicroStep:
         self._t0 = 0.0
 
     def __enter__(self) -> MicroStep:
-        run = self._run
         self._t0 = time.perf_counter()
-        self.is_last = run.micro == run.k_steps - 1
-        if run._ddp is not None and not self.is_last:
-            self._contexts.append(run._ddp.no_sync())
-        if run._fsdp is not None:
-            run._fsdp.set_requires_gradient_sync(self.is_last)
-        if run._loss_parallel:
+        self.is_last = self._window.is_last
+        self._contexts = self._window.sync_contexts()
+        if self._loss_parallel:
             from bigbatch.parallel.tensor_parallel import loss_parallel_if
 
             self._contexts.append(loss_parallel_if(True))
-        if run.autocast_dtype is not None:
-            self._contexts.append(torch.autocast(run.world.device.type, dtype=run.autocast_dtype))
+        if self._autocast is not None:
+            self._contexts.append(torch.autocast(self._autocast[0], dtype=self._autocast[1]))
         for ctx in self._contexts:
             ctx.__enter__()
         return self
@@ -65,40 +73,20 @@ class MicroStep:
         if self._called:
             raise RuntimeError("ms.backward() was called twice in one micro-step")
         self._called = True
-        run = self._run
-        mult = run._mean_mult
-        if count is None:
-            if run._mode == "count":
-                raise ConfigError("ms.backward(): mixing count= and mean losses within one optimizer step")
-            run._mode = "mean"
-        else:
-            if run._mode == "mean":
-                raise ConfigError("ms.backward(): mixing count= and mean losses within one optimizer step")
-            run._mode = "count"
-            # A tensor count stays on its device: no host sync per micro-step.
-            if isinstance(count, torch.Tensor):
-                count = count.detach().to(torch.float64)
-            run._count = run._count + count
-            mult = run._count_mult
-            if self.is_last and run.world.is_distributed:
-                # Started before backward so it overlaps with the gradient all-reduce.
-                total = torch.as_tensor(run._count, dtype=torch.float64, device=run.world.device)
-                run._count_tensor = total.clone()
-                run._count_work = all_reduce_sum(run._count_tensor, async_op=True,
-                                                 group=run.mesh.dp_group)
-        if run.local_sgd is not None:  # adaptive local SGD's interval follows the loss
-            run.local_sgd.observe(loss, count)
+        mult = self._window.loss_multiplier(count)
+        if self._local_sgd is not None:  # adaptive local SGD's interval follows the loss
+            self._local_sgd.observe(loss, count)
         if mult != 1.0:
             loss = loss * mult
-        if run.scaler is not None:
-            loss = run.scaler.scale(loss)
-        if run.autocast_dtype is not None:
-            with torch.autocast(run.world.device.type, enabled=False):
+        if self._scaler is not None:
+            loss = self._scaler.scale(loss)
+        if self._autocast is not None:
+            with torch.autocast(self._autocast[0], enabled=False):
                 loss.backward()
         else:
             loss.backward()
-        if run.timing is not None:
-            run.timing.backward_done(self.is_last)
+        if self._timing is not None:
+            self._timing.backward_done(self.is_last)
 
     def skip(self) -> None:
         """Instead of `backward`: drop this optimizer step (see `Run.skip_step`).
@@ -111,7 +99,7 @@ class MicroStep:
             raise RuntimeError("ms.skip() after ms.backward() in one micro-step")
         self._called = True
         self.skipped = True
-        self._run.skip_step()
+        self._skip()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         for ctx in reversed(self._contexts):
@@ -120,16 +108,12 @@ class MicroStep:
             return False
         if not self._called:
             raise RuntimeError("call ms.backward(loss) inside `with run.micro_step() as ms:`")
-        run = self._run
         if self.skipped:  # skip(): the window is gone
             return False
         if self.is_last:
-            self.skipped = run._finish_step(self._t0)
+            self.skipped = self._finish(self._t0)
             self.stepped = not self.skipped
         else:
-            if run.micro == 0 and run._measure_first:
-                run._first_sq = run._first_sq_norm(run._params)
-                run._first_count = run._count
-            run.micro += 1
-            run._add_step_time(self._t0)
+            self._window.end_micro()
+            self._add_time(self._t0)
         return False

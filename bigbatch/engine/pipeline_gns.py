@@ -53,7 +53,7 @@ from bigbatch.engine.local_norms import param_group_of, preconditioned_grads, te
 from bigbatch.errors import ConfigError
 
 if TYPE_CHECKING:
-    from bigbatch.engine.protocol import RunLike
+    from bigbatch.engine.run import Run
 
 __all__ = ["PipelineNorms", "check_measurable"]
 
@@ -77,11 +77,16 @@ class PipelineNorms:
     `bigbatch.engine.adaptive.Adaptive` measures them elsewhere.
     """
 
-    def __init__(self, run: RunLike, preconditioned: bool) -> None:
+    def __init__(self, run: Run, preconditioned: bool) -> None:
         check_measurable(run.pipeline)
         pipe = run.pipeline
-        self.run = run
         self.preconditioned = preconditioned
+        self._pipeline = pipe
+        self._optimizer = run.optimizer
+        self._params = run.params
+        self._mesh = run.mesh
+        self._scaler = run.scaler
+        self._window = run.window
         self._groups = param_group_of(run.optimizer)
         device = run.world.device
         tied = {name: group for name, group in pipe.tied}
@@ -124,7 +129,7 @@ class PipelineNorms:
     def _sq_norms(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> torch.Tensor:
         grads = [g.detach() for g in grads]
         if self.preconditioned:
-            grads = preconditioned_grads(self.run.optimizer, params, grads, self._groups)
+            grads = preconditioned_grads(self._optimizer, params, grads, self._groups)
         return tensor_sq_norms(grads)
 
     def _local_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,25 +150,25 @@ class PipelineNorms:
                 small = small + self._sq_norms([p], [part]).sum()
         return small, big
 
-    def grad_info(self, local_count: Any, total_count: Any) -> GradInfo:
-        """The step's `GradInfo` (pipeline runs count items: `run._mode == "count"`), with
+    def grad_info(self, step: int, local_count: Any, total_count: Any) -> GradInfo:
+        """Optimizer step `step`'s `GradInfo` (pipeline runs count items), with
         the whole model's norms, in the optimizer gradient's units: the mean gradient of
         micro-batch 0's items (the mean of the data ranks' squared norms) and of the step's
         (times k when ``avg = false``)."""
-        run = self.run
+        mesh, window = self._mesh, self._window
         small, big = self._local_sums()
-        count = run.pipeline.first_count.to(small.device, torch.float64)
+        count = self._pipeline.first_count.to(small.device, torch.float64)
         sums = torch.stack([small, big, count])
-        dist.all_reduce(sums, group=run.mesh.pp_group)
+        dist.all_reduce(sums, group=mesh.pp_group)
         small, big, count = sums.unbind()
-        scale = run.scaler.scale_value if run.scaler is not None else 1.0
-        opt_factor = 1.0 if run.avg else float(run.k_steps)
-        unit = scale * run._count_mult * count / opt_factor
+        scale = self._scaler.scale_value if self._scaler is not None else 1.0
+        opt_factor = 1.0 if window.avg else float(window.k_steps)
+        unit = scale * window.count_mult * count / opt_factor
         small = small / (unit * unit)
-        data = run.mesh.data_degree
+        data = mesh.data_degree
         if data > 1:  # every data rank measured its own micro-batch 0: their mean
             pair = torch.stack([small, count])
-            dist.all_reduce(pair, group=run.mesh.dp_group)
+            dist.all_reduce(pair, group=mesh.dp_group)
             small, count = (pair / data).unbind()
-        return GradInfo(run, run._params, small, float(count), float(total_count),
+        return GradInfo(step, self._params, small, float(count), float(total_count),
                         big_sq_norm=big)

@@ -36,7 +36,7 @@ from bigbatch.errors import ConfigError, PolicyError, PolicyStop
 from bigbatch.parallel.world import is_peer_failure
 
 if TYPE_CHECKING:
-    from bigbatch.engine.protocol import RunLike
+    from bigbatch.engine.run import Run
 
 __all__ = ["GoodputPolicy", "NoiseScaleDoublingPolicy", "Policies", "attach", "load_policy"]
 
@@ -169,14 +169,15 @@ def _one_line(e: BaseException) -> str:
 
 
 class Policies:
-    """`run.policies`: the run's policies in order, the loop's hooks, and their requests.
+    """The run's policies in order, their hooks, and their requests.
 
-    `stop` (None, or ``(message, status)``) and `checkpoint_requested` are what the
-    policies asked for; `take_records()` hands over the lines they want in the metrics.
+    `run.policies` is this object bound to its run (`bound`): the loop calls
+    ``run.policies.before_epoch(epoch)`` and the like. `stop` (None, or
+    ``(message, status)``) and `checkpoint_requested` are what the policies asked
+    for; `take_records()` hands over the lines they want in the metrics.
     """
 
-    def __init__(self, run: RunLike, policies: list[Policy]) -> None:
-        self._run = run
+    def __init__(self, policies: list[Policy]) -> None:
         self.policies = list(policies)
         names = [p.name or type(p).__name__ for p in self.policies]
         for p, name in zip(self.policies, names, strict=True):
@@ -192,6 +193,10 @@ class Policies:
         self._records: list[dict[str, Any]] = []
         self._began = self._ended = False
         self._epoch_begun = self._epoch_ended = 0
+
+    def bound(self, run: Any) -> BoundPolicies:
+        """This object with `run` passed to every hook (what `run.policies` returns)."""
+        return BoundPolicies(self, run)
 
     def __len__(self) -> int:
         return len(self.policies)
@@ -220,47 +225,46 @@ class Policies:
         out, self._records = self._records, []
         return out
 
-    # ------------------------------------------------------------- hooks
+    # ------------------------------------------------------------- hooks (given the run)
 
-    def setup(self) -> None:
+    def setup(self, run: Any) -> None:
         for p in self.policies:
-            self._call(p, "setup")
+            self._call(run, p, "setup")
 
-    def before_train(self) -> None:
+    def before_train(self, run: Any) -> None:
         if not self._began:
             self._began = True
             for p in self.policies:
-                self._call(p, "before_train")
+                self._call(run, p, "before_train")
 
-    def before_epoch(self, epoch: int) -> None:
+    def before_epoch(self, run: Any, epoch: int) -> None:
         if epoch > self._epoch_begun:
             self._epoch_begun = epoch
             for p in self.policies:
-                self._call(p, "before_epoch", epoch)
+                self._call(run, p, "before_epoch", epoch)
 
-    def after_step(self, run: Any = None) -> None:
+    def after_step(self, run: Any) -> None:
         """The engine's step hook (every optimizer step taken)."""
-        r = self._run
-        stats = {"step": r.step, "lr": r.last_lr, "global_batch_size": r.plan.global_batch_size,
-                 "micro_batch_size": r.plan.micro_batch_size, "k_steps": r.k_steps,
-                 "progress": r.progress, "step_seconds": r.last_step_seconds}
+        stats = {"step": run.step, "lr": run.last_lr,
+                 "global_batch_size": run.plan.global_batch_size,
+                 "micro_batch_size": run.plan.micro_batch_size, "k_steps": run.k_steps,
+                 "progress": run.progress, "step_seconds": run.last_step_seconds}
         for p in self.policies:
-            self._call(p, "after_step", stats)
+            self._call(run, p, "after_step", stats)
 
-    def after_epoch(self, epoch: int) -> None:
+    def after_epoch(self, run: Any, epoch: int) -> None:
         if epoch > self._epoch_ended:
             self._epoch_ended = epoch
             for p in self.policies:
-                self._call(p, "after_epoch", epoch)
+                self._call(run, p, "after_epoch", epoch)
 
-    def after_train(self) -> None:
+    def after_train(self, run: Any) -> None:
         if not self._ended:
             self._ended = True
             for p in self.policies:
-                self._call(p, "after_train")
+                self._call(run, p, "after_train")
 
-    def _call(self, policy: Policy, hook: str, *args: Any) -> None:
-        run = self._run
+    def _call(self, run: Any, policy: Policy, hook: str, *args: Any) -> None:
         before = run.plan
         changes = len(run.batch_size_changes)
         try:
@@ -274,10 +278,10 @@ class Policies:
             raise PolicyError(f"policy {policy.name!r}: {hook}({shown}) raised "
                               f"{_one_line(e)}") from e
         if run.plan != before:
-            self._batch_changed(policy, hook, before, changes)
+            self._batch_changed(run, policy, hook, before, changes)
 
-    def _batch_changed(self, policy: Policy, hook: str, before: Any, changes: int) -> None:
-        run = self._run
+    def _batch_changed(self, run: Any, policy: Policy, hook: str, before: Any,
+                       changes: int) -> None:
         if run.mesh.degrees.uses_mesh:
             raise PolicyError(
                 f"policy {policy.name!r}: {hook} changed the batch, which [sharding], tensor "
@@ -312,7 +316,53 @@ class Policies:
         self._epoch_ended = int(state.get("epoch_ended", 0))
 
 
-def attach(run: RunLike, given: list[Any] | None = None) -> Policies:
+class BoundPolicies:
+    """`run.policies`: a short-lived view of `Policies` that passes the run to each hook.
+
+    Everything else (``stop``, ``get``, ``record``, ``request_stop``, ``len``, ...)
+    is the `Policies` object's own.
+    """
+
+    __slots__ = ("_policies", "_run")
+
+    def __init__(self, policies: Policies, run: Any) -> None:
+        self._policies, self._run = policies, run
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._policies, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.__slots__:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._policies, name, value)
+
+    def __len__(self) -> int:
+        return len(self._policies)
+
+    def __iter__(self):
+        return iter(self._policies)
+
+    def setup(self) -> None:
+        self._policies.setup(self._run)
+
+    def before_train(self) -> None:
+        self._policies.before_train(self._run)
+
+    def before_epoch(self, epoch: int) -> None:
+        self._policies.before_epoch(self._run, epoch)
+
+    def after_step(self, run: Any = None) -> None:
+        self._policies.after_step(self._run if run is None else run)
+
+    def after_epoch(self, epoch: int) -> None:
+        self._policies.after_epoch(self._run, epoch)
+
+    def after_train(self) -> None:
+        self._policies.after_train(self._run)
+
+
+def attach(run: Run, given: list[Any] | None = None) -> Policies:
     """Build `run.policies` from ``[adaptive] policies`` (goodput also from ``batch_size``)
     and `given` (Policy objects); register the step hook and the state; run `setup`."""
     a = run.strategy.adaptive
@@ -325,10 +375,10 @@ def attach(run: RunLike, given: list[Any] | None = None) -> Policies:
             raise PolicyError(f"prepare(policies=...): {p!r} is not a bigbatch.Policy (a "
                               "name belongs in adaptive.policies)")
         policies.append(p)
-    ctl = Policies(run, policies)
+    ctl = Policies(policies)
     run.policies = ctl
     if policies:
         run.step_hooks.append(ctl.after_step)
         run.state_objects["policies"] = ctl
-        ctl.setup()
+        ctl.setup(run)
     return ctl

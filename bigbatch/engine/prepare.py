@@ -5,6 +5,7 @@ scaler, in that order. The package docstring (`bigbatch.engine`) is the guide.""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -189,7 +190,8 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
               unit_batch_size=_adaptive.unit_of(strategy, plan), mesh=mesh,
               loss_parallel=loss_parallel, pipeline=pipeline)
     if comm is not None and hasattr(comm.inner_state, "grad_factor"):
-        comm.inner_state.grad_factor = run.grad_factor
+        comm.inner_state.grad_factor = functools.partial(run.window.grad_factor,
+                                                         mesh.data_degree)
     if local is not None:
         run.local_sgd = run.state_objects["local_sgd"] = local
         run.step_hooks.append(lambda r: local.after_step(r.step, r.last_lr))

@@ -26,7 +26,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from bigbatch.engine.protocol import RunLike
+    from bigbatch.engine.run import Run
 
 __all__ = ["StepTiming"]
 
@@ -45,10 +45,10 @@ class StepTiming:
         self._last_end: float | None = None
         self._handles: list[Any] = []
 
-    def install(self, run: RunLike) -> None:
+    def install(self, run: Run) -> None:
         """Hook into `run`'s model (DDP only: without it no worker waits for another)."""
         run.timing = self
-        ddp = run._ddp
+        ddp = run.model if run.model is not run.module else None
         if ddp is None or self._handles:
             return
         clock = time.perf_counter
@@ -64,7 +64,7 @@ class StepTiming:
                 self._step_sync += clock() - self._outer
                 self._outer = None
 
-        self._handles = [p.register_post_accumulate_grad_hook(grad_ready) for p in run._params]
+        self._handles = [p.register_post_accumulate_grad_hook(grad_ready) for p in run.params]
         self._handles.append(ddp.register_forward_pre_hook(outer))
         self._handles.append(run.module.register_forward_pre_hook(inner))
 

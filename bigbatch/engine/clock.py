@@ -1,0 +1,109 @@
+"""`ScheduleClock`: the one owner of a run's learning rate and of how far it has got.
+
+The LR the optimizer sees is ``schedule.lr(progress) * lr_scale`` times a param
+group's own ``lr_scale``. Everything that moves one of those factors goes through
+this object's methods: the step (`advance`), a batch change (`rescale`), AdaScale
+(`set_gain`), a policy (`set_lr_scale`) and a resume (`load_state_dict`). `apply`
+is the only code that writes ``param_group["lr"]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from bigbatch.config.schedules import warmup_start_lr
+
+__all__ = ["ScheduleClock"]
+
+_STATE_KEYS = ("step", "skipped_steps", "progress", "progress_rate", "lr_scale")
+
+
+class ScheduleClock:
+    """Schedule, progress and step counters, and the LR they give.
+
+    `progress` advances by `progress_rate` per optimizer step taken, in steps of
+    `unit_batch_size` samples; the run is `done` once it reaches `total_steps`.
+    """
+
+    def __init__(self, schedule: Any, optimizer: torch.optim.Optimizer, *, total_steps: int,
+                 unit_batch_size: int) -> None:
+        self._base = schedule
+        self._optimizer = optimizer
+        self.schedule = schedule
+        """`Schedule` in force: the configured one, re-peaked after a batch change."""
+        self.total_steps = int(total_steps)
+        """Training length in schedule units."""
+        self.unit_batch_size = int(unit_batch_size)
+        """Samples of one schedule unit (the first run's global batch; AdaScale: the base batch)."""
+        self.step = 0
+        """Optimizer steps taken (skipped overflow steps excluded)."""
+        self.skipped_steps = 0
+        """Optimizer steps skipped because of inf/nan gradients."""
+        self.progress = 0.0
+        """Where the schedule is read."""
+        self.progress_rate = 1.0
+        """Schedule units per step taken (AdaScale's gain; global / unit after a batch change)."""
+        self.lr_scale = 1.0
+        """Multiplier on top of the schedule (AdaScale, policies)."""
+        self.last_lr = schedule.lr(0)
+        """The LR of the latest `apply` (before a group's own ``lr_scale``)."""
+        self.apply()
+
+    def lr_at(self, progress: float) -> float:
+        """The LR at schedule position `progress` (times `lr_scale`)."""
+        return self.schedule.lr(progress) * self.lr_scale
+
+    @property
+    def done(self) -> bool:
+        return self.progress >= self.total_steps
+
+    def apply(self) -> float:
+        """Write the LR of the current position into the optimizer's param groups."""
+        self.last_lr = lr = self.lr_at(self.progress)
+        # A group's own "lr_scale" (e.g. in a user's optimizer) multiplies the schedule's LR.
+        for group in self._optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_scale", 1.0)
+        return lr
+
+    def advance(self) -> None:
+        """One optimizer step was taken."""
+        self.step += 1
+        self.progress += self.progress_rate
+
+    def skip(self) -> None:
+        """One optimizer step was skipped (non-finite gradients): the schedule stays."""
+        self.skipped_steps += 1
+
+    def set_gain(self, lr_scale: float, progress_rate: float) -> None:
+        """AdaScale: this step's LR multiplier and the schedule units it counts for."""
+        self.lr_scale = float(lr_scale)
+        self.progress_rate = float(progress_rate)
+
+    def set_lr_scale(self, lr_scale: float) -> None:
+        """A multiplier on the schedule from the next step on (a policy's decision)."""
+        self.lr_scale = float(lr_scale)
+
+    def rescale(self, plan: Any, strategy: Any) -> None:
+        """A new global batch: the peak follows `batch.scaling` (`plan.peak_lr`), warmup
+        keeps its start rule, and a step counts ``global / unit`` schedule units."""
+        b = strategy.batch
+        self.schedule = dataclasses.replace(
+            self._base, peak_lr=plan.peak_lr,
+            warmup_start_lr=warmup_start_lr(b.base_lr, plan.peak_lr, b.warmup_start,
+                                            self._base.warmup_steps))
+        self.progress_rate = plan.global_batch_size / self.unit_batch_size
+
+    def state_dict(self) -> dict[str, Any]:
+        return {key: getattr(self, key) for key in _STATE_KEYS}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Counters and position from a checkpoint (`rescale` afterwards if the batch moved);
+        the LR is written again at once."""
+        self.step = int(state["step"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.progress = float(state["progress"])
+        self.progress_rate = float(state["progress_rate"])
+        self.lr_scale = float(state["lr_scale"])
