@@ -29,14 +29,14 @@ from typing import Any
 
 import tomli_w
 
-from bigbatch.config.comm import check_comm_combination
+from bigbatch.config.compat import check
 from bigbatch.config.fields import (
     parse_literal,
     read_toml_source,
     unknown_key_message,
 )
 from bigbatch.config.overview import render_overview
-from bigbatch.config.parallelism import Degrees, check_parallel_combination, degrees
+from bigbatch.config.parallelism import Degrees, degrees
 from bigbatch.config.scaling import scale_lr
 from bigbatch.config.schedules import warmup_start_lr
 from bigbatch.config.sections import (
@@ -173,45 +173,7 @@ class Strategy:
                 object.__setattr__(self, name, section_from_dict(cls, value))
             elif not isinstance(value, cls):
                 raise ConfigError(f"[{name}] must be a {cls.__name__}, got {type(value).__name__}")
-        self._check_combination()
-
-    def _check_combination(self) -> None:
-        lars, lamb, opt = self.lars.enable, self.lamb.enable, self.optimizer
-        if lars and lamb:
-            raise ConfigError("[lars] and [lamb] are both enabled; enable at most one of them")
-        if lars and opt.type != "momentum":
-            raise ConfigError(
-                f'[lars] needs optimizer.type = "momentum" (LARS wraps momentum SGD), '
-                f'got "{opt.type}"'
-            )
-        if lamb and opt.type != "adamw":
-            raise ConfigError(
-                f'[lamb] needs optimizer.type = "adamw" (LAMB wraps AdamW), got "{opt.type}"'
-            )
-        if (lars or lamb) and opt.weight_decay != 0:
-            name = "lars" if lars else "lamb"
-            raise ConfigError(
-                f"optimizer.weight_decay={opt.weight_decay} with [{name}] would decay twice; "
-                f"set it to 0 and use {name}.{name}_weight_decay"
-            )
-        check_parallel_combination(self)
-        if self.lamb.enable and None not in (self.lamb.max_grad_norm, opt.max_grad_norm):
-            raise ConfigError(
-                f"lamb.max_grad_norm={self.lamb.max_grad_norm} and optimizer.max_grad_norm="
-                f"{opt.max_grad_norm} are one setting (clip the global gradient norm); set one")
-        self.kfac.check_with(self)
-        check_comm_combination(self)
-        if self.adaptive.lr == "adascale" and self.batch.scaling != "none":
-            raise ConfigError(
-                f'adaptive.lr = "adascale" supplies its own LR gain; set batch.scaling = "none" '
-                f'(got "{self.batch.scaling}")'
-            )
-        if ("straggler" in self.adaptive.policies and self.straggler.action == "rebalance"
-                and self.adaptive.active):
-            raise ConfigError(
-                'straggler.action = "rebalance" with the noise scale tracked ([adaptive] '
-                "noise_scale, AdaScale, goodput or noise_scale_doubling): unequal micro batches "
-                'bias its per-worker estimate; use action = "warn" or "stop" there')
+        check(self)  # settings that cannot go together: bigbatch.config.compat
 
     # -- dict / TOML -----------------------------------------------------------------
 

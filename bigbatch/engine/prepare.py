@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bigbatch.config.comm import local_sgd_section
+from bigbatch.config.compat import Context, check
 from bigbatch.config.parallelism import check_pipeline_plan, degrees
 from bigbatch.engine import adaptive as _adaptive
 from bigbatch.engine import policies as _policies
@@ -19,7 +20,6 @@ from bigbatch.engine.amp import LossScaler, amp_dtype
 from bigbatch.engine.optimizer import build_optimizer, weight_decays
 from bigbatch.engine.recompute import apply_recompute
 from bigbatch.engine.run import Run
-from bigbatch.errors import ConfigError
 from bigbatch.parallel.data_parallel import check_reduce, wrap_data_parallel
 from bigbatch.parallel.mesh import ParallelMesh
 from bigbatch.parallel.world import World, init_distributed
@@ -83,25 +83,12 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
     check_reduce(getattr(dp, "reduce", "mean"))
     amp = strategy.amp
     autocast_dtype = amp_dtype(amp.dtype) if amp.enable else None
-    if optimizer is not None:
-        if strategy.lars.enable or strategy.lamb.enable:
-            name = "lars" if strategy.lars.enable else "lamb"
-            raise ConfigError(f"[{name}] builds its own optimizer; with prepare(..., optimizer=...) "
-                              f"switch [{name}] off (your optimizer is used as it is)")
-        if deg.uses_mesh or deg.stage:
-            raise ConfigError("prepare(..., optimizer=...) with [sharding], tensor or pipeline "
-                              "parallelism: they replace the parameters your optimizer holds; "
-                              "let the strategy build it")
-    if deg.tensor > 1 and tp_plan is None:
-        raise ConfigError(
-            f"tensor_parallel.tensor_parallel_degree={deg.tensor}: no tensor-parallel plan for "
-            f"this model; pass prepare(..., tp_plan=...) (module name -> style, or a callable)")
+    # What the strategy cannot do with this model, optimizer and worker (and, with a run,
+    # cannot do at all): the table's rows, before any process group exists.
+    check(strategy, Context(run=True, own_optimizer=optimizer is not None,
+                            tp_plan=tp_plan is not None, distributed=world.is_distributed,
+                            device=world.device.type))
     if dp.sync_batch_norm and world.is_distributed:
-        if world.device.type != "cuda":
-            raise ConfigError(
-                f"data_parallel.sync_batch_norm=true needs CUDA devices (torch's SyncBatchNorm "
-                f"is GPU-only); this worker runs on {world.device.type}"
-            )
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     checkpoints = list(strategy.recompute.checkpoints) if strategy.recompute.enable else []
     if checkpoints:
@@ -158,10 +145,6 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
         decay = weight_decays(model, strategy)
         inner = reduce_hook(strategy, trainable, weight_decays=[decay[id(p)] for p in trainable])
         if inner is not None and isinstance(inner[1], DGCState):  # the hook owns momentum
-            if optimizer is not None:
-                raise ConfigError(
-                    "data_parallel.reduce = \"dgc\" applies momentum and weight decay inside "
-                    "its reduction and so builds its own optimizer; drop prepare(optimizer=...)")
             opt_strategy = dataclasses.replace(
                 strategy, optimizer=dataclasses.replace(strategy.optimizer, **DGC_OPTIMIZER))
     if optimizer is None:
