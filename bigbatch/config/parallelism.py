@@ -47,20 +47,82 @@ class Degrees:
     def world(self) -> int:
         return self.pipeline * self.data * self.tensor + self.servers
 
+    # -- one fact each (torchtitan's ParallelDims) ----------------------------------------
+
+    @property
+    def dp_enabled(self) -> bool:
+        """More than one data-parallel rank: the ranks see different samples and their
+        gradients are reduced."""
+        return self.data > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        """More than one replica of the model state (DDP's ranks, HSDP's replicate dim)."""
+        return self.replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        """The model state is sharded over more than one data-parallel rank ([sharding])."""
+        return self.shard > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        """Tensor parallelism: layers sliced over more than one rank (DTensor plans)."""
+        return self.tensor > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        """Pipeline parallelism: the model split into stages on more than one rank."""
+        return self.pipeline > 1
+
+    @property
+    def zero1_enabled(self) -> bool:
+        """ZeRO stage 1: only the optimizer state is sharded (ZeroRedundancyOptimizer over
+        DDP, no mesh)."""
+        return self.stage == 1
+
+    @property
+    def params_sharded(self) -> bool:
+        """ZeRO stage 2 or 3: FSDP2 holds gradients and parameters as shards."""
+        return self.stage >= 2
+
+    @property
+    def needs_mesh(self) -> bool:
+        """The ranks are laid out on a `DeviceMesh` (``pp x dp_replicate x dp_shard x tp``):
+        tensor or pipeline parallelism, or ZeRO stage 2-3. Without it, data parallelism is
+        DDP (ZeRO-1 included) over the default process group."""
+        return self.tp_enabled or self.pp_enabled or self.params_sharded
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """FSDP2 (`fully_shard`) wraps the model over the data-parallel ranks: any mesh run
+        with more than one of them; it shards at ZeRO-2/3 and only all-reduces otherwise.
+        (A pipeline that tracks the noise scale without [sharding] makes its stages DDP
+        modules instead: `prepare()` decides that first.)"""
+        return self.needs_mesh and self.dp_enabled
+
+    @property
+    def sharded_state(self) -> bool:
+        """Each rank holds only part of the model's parameters, gradients and optimizer
+        state (sliced by tensor parallelism, split into pipeline stages or sharded by
+        FSDP2): checkpoints save it per rank through DCP, and one rank's overflow must
+        stop every rank's step."""
+        return self.tp_enabled or self.pp_enabled or self.params_sharded
+
     @property
     def uses_mesh(self) -> bool:
-        """Whether the run needs the device mesh: FSDP2, tensor or pipeline parallelism
-        (the model's state is then saved per rank, through DCP)."""
-        return self.tensor > 1 or self.stage >= 2 or self.pipeline > 1
+        """Deprecated: several facts at once. Read `needs_mesh`, `fsdp_enabled` or
+        `sharded_state`, whichever is meant (kept while the engine still reads it)."""
+        return self.needs_mesh
 
     def describe(self) -> str:
         """One line for the overview table, e.g. ``data 4 x tensor 2, ZeRO-3 over 2 of 4``."""
-        text = f"data {self.data}" + (f" x tensor {self.tensor}" if self.tensor > 1 else "")
-        if self.pipeline > 1:
+        text = f"data {self.data}" + (f" x tensor {self.tensor}" if self.tp_enabled else "")
+        if self.pp_enabled:
             text = f"pipeline {self.pipeline} x " + text
         if self.stage:
             text += f", ZeRO-{self.stage}"
-            if self.replicate > 1:
+            if self.dp_replicate_enabled:
                 text += f" over {self.shard} of {self.data}"
         if self.servers:
             text += f" + {self.servers} parameter server{'s' if self.servers > 1 else ''}"

@@ -101,7 +101,7 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
     init_distributed(dp, world)
     mesh = ParallelMesh(deg, world)
     pipeline = None
-    if deg.pipeline > 1:
+    if deg.pp_enabled:
         from bigbatch.parallel.pipeline import model_layers
         from bigbatch.parallel.pipeline_schedule import PipelineRunner
 
@@ -114,7 +114,7 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
             check_measurable(pipeline)  # before any stage is wrapped
     model.to(world.device)
     loss_parallel = False
-    if deg.tensor > 1:
+    if deg.tp_enabled:
         from bigbatch.parallel.tensor_parallel import (
             apply_tensor_parallel,
             present_plan,
@@ -125,11 +125,12 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
         apply_tensor_parallel(model, mesh.tp_mesh, present_plan(model, tp_plan),
                               replicate_rest=True)
         loss_parallel = uses_loss_parallel(model)
-    if pipeline is not None and deg.data > 1 and not deg.stage and deg.tensor == 1 and needs_gns:
+    if (pipeline is not None and deg.dp_enabled and not deg.stage and not deg.tp_enabled
+            and needs_gns):
         # Micro-batch 0's gradient must reach the parameters (`bigbatch.engine.pipeline_gns`):
         # DDP's stages accumulate in `.grad`, FSDP2's in private copies.
         pipeline.replicate(world.device, float(dp.bucket_cap_mb))
-    elif deg.uses_mesh and deg.data > 1:
+    elif deg.fsdp_enabled:
         from bigbatch.parallel.sharding import apply_fsdp
 
         one_root = pipeline is None or len(pipeline.stage_ids) == 1
@@ -138,7 +139,7 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
                    units=pipeline.fsdp_units() if pipeline is not None else None,
                    root=one_root)
     inner, opt_strategy = None, strategy
-    if world.is_distributed and not deg.uses_mesh:
+    if world.is_distributed and not deg.needs_mesh:  # DDP over the default group
         from bigbatch.parallel.compression import DGC_OPTIMIZER, DGCState, reduce_hook
 
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -148,7 +149,7 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
             opt_strategy = dataclasses.replace(
                 strategy, optimizer=dataclasses.replace(strategy.optimizer, **DGC_OPTIMIZER))
     if optimizer is None:
-        optimizer = build_optimizer(model, opt_strategy, lr=schedule.lr(0), zero=deg.stage == 1)
+        optimizer = build_optimizer(model, opt_strategy, lr=schedule.lr(0), zero=deg.zero1_enabled)
     if pipeline is not None:
         check_pipeline_plan(strategy, plan.k_steps)
         pipeline.start(world.device, plan.k_steps, optimizer)
@@ -159,11 +160,11 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
         local = LocalSGD([p for p in model.parameters() if p.requires_grad], optimizer, section)
         inner = local.hook
     wrapped, comm = model, None
-    if world.is_distributed and not deg.uses_mesh:
+    if world.is_distributed and not deg.needs_mesh:
         wrapped, comm = wrap_data_parallel(model, world.device, dp, bool(local_grad_norm), inner)
     scaler = None
     if autocast_dtype == torch.float16:
-        scaler = LossScaler.from_config(amp, world.device.type, sharded=deg.uses_mesh)
+        scaler = LossScaler.from_config(amp, world.device.type, sharded=deg.sharded_state)
     run = Run(module=model, model=wrapped, optimizer=optimizer, schedule=schedule, world=world,
               plan=plan, strategy=strategy, scaler=scaler, autocast_dtype=autocast_dtype,
               avg=strategy.gradient_merge.avg, comm=comm, owns_group=owns_group,

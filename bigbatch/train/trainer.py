@@ -140,7 +140,7 @@ class _Trainer:
         self.run = run = prepare(model, strategy, total_steps=self.total_steps,
                                  steps_per_epoch=spe, world=world, track_stats=True, plan=plan,
                                  tp_plan=task.tp_plan(model) if tp > 1 else None)
-        self.sharded = run.mesh.degrees.uses_mesh
+        self.sharded = run.mesh.degrees.sharded_state
         if ckpt is not None and ckpt.get("sharded"):  # DCP reshards to this run's mesh
             load_sharded(resume_from, run.module, run.optimizer)
         if run.adaptive is not None and hasattr(run.adaptive, "limit_batch_size"):
