@@ -10,12 +10,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
+from torch import nn
 
 from bigbatch.config.compat import CONFLICTS, NO_CONTEXT, check, conflicts
 from bigbatch.config.compat_docs import render, sections_of
 from bigbatch.config.sections import SECTIONS, section_from_dict
 from bigbatch.config.strategy import Strategy
+from bigbatch.engine.prepare import prepare
 from bigbatch.errors import ConfigError
+from bigbatch.parallel.world import World
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "compatibility.md"
 
@@ -42,6 +46,23 @@ def test_each_row_refuses_its_example_with_its_message(row):
         with pytest.raises(ConfigError) as info:
             Strategy.from_dict(row.example)
     assert str(info.value) == expected
+
+
+PREPARE_ROWS = [row for row in CONFLICTS if "prepare()" in row.checked_by]
+
+
+@pytest.mark.parametrize("row", PREPARE_ROWS, ids=[row.key for row in PREPARE_ROWS])
+def test_prepare_refuses_what_its_rows_refuse(row):
+    """prepare() tells the table what it knows: its arguments and this worker (before
+    any process group exists, so a world of 2 needs no peer here)."""
+    given, strategy = row.given, Strategy.from_dict(row.example)
+    model = nn.Linear(4, 2)
+    world = World(world_size=2 if given.distributed or "tensor_parallel" in row.example else 1,
+                  device=torch.device(given.device or "cpu"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1) if given.own_optimizer else None
+    with pytest.raises(ConfigError) as info:
+        prepare(model, strategy, total_steps=1, world=world, optimizer=optimizer)
+    assert str(info.value) == row.message(strategy, given)
 
 
 def test_the_rows_are_the_rows_tested():
