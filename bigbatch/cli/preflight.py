@@ -6,22 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bigbatch.config.compat import Context, check
 from bigbatch.errors import ConfigError
-
-
-def _check_devices(strategy, world_size: int | None) -> None:
-    """Settings that need CUDA, refused here on a machine without it (not in every worker)."""
-    import torch
-
-    if torch.cuda.is_available():
-        return
-    dp = strategy.data_parallel
-    if dp.backend == "nccl":
-        raise ConfigError("data_parallel.backend='nccl' needs CUDA devices and this machine has "
-                          "none; use \"gloo\" or \"auto\"")
-    if dp.sync_batch_norm and (world_size is None or world_size > 1):
-        raise ConfigError("data_parallel.sync_batch_norm=true needs CUDA devices (torch's "
-                          "SyncBatchNorm is GPU-only) and this machine has none")
 
 
 def _check_checkpoint(config, path: Path, ckpt: dict, model, strategy) -> None:
@@ -99,12 +85,16 @@ def preflight(config, strategy, world_size: int | None, *, checks_out: bool = Tr
     if config.model is not None and config.model not in cls.models:
         raise ConfigError(f"model={config.model!r} is not a model of task {config.task!r}; "
                           f"valid: {', '.join(cls.models)}")
-    _check_devices(strategy, world_size)
+    import torch
+
+    # Settings that need CUDA: refused here on a machine without it, not in every worker.
+    check(strategy, Context(cuda=torch.cuda.is_available(), world_size=world_size))
     task = get_task(config.task, **options)  # fills the data cache once, here
     model_name = task.check_model(config.model)
     saved = ckpt.get("engine", {}).get("batch") if ckpt is not None else None
     if world_size is not None:
         plan, _, total_steps, _ = plan_run(config, strategy, task, world_size, saved=saved)
+        check(strategy, Context(run=True))  # what a run of this strategy cannot do
         adaptive.check(strategy, plan)
         if ckpt is not None:
             check_resume(config, strategy, ckpt, path.name, model_name, total_steps)

@@ -1,11 +1,15 @@
 """The Strategy's overview: a boxed key/value table in the style of Fleet's
-`DistributedStrategy` printout."""
+`DistributedStrategy` printout: the sections in force, then the derived numbers."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["render_overview"]
+from bigbatch.config.parallelism import Degrees, degrees
+from bigbatch.config.schedules import warmup_start_lr
+from bigbatch.config.sections import KEYS, SECTIONS
+
+__all__ = ["render_overview", "strategy_overview"]
 
 WIDTH = 80
 _KEY_COL = 36  # keys right-aligned in this many columns, then a gap, then the value
@@ -45,3 +49,105 @@ def render_overview(title: str, blocks: list[tuple[str, list[tuple[str, Any]]]])
                 out.append(_line(f"{label:>{_KEY_COL}}{'':{_GAP}}{item}", "<"))
         out.append(heavy)
     return "\n".join(out)
+
+
+# Optimizer fields the chosen type ignores; the overview leaves them out.
+_UNUSED = {"momentum": ("beta1", "beta2", "epsilon"), "adamw": ("momentum", "nesterov")}
+
+
+def _shown(key: str, value: Any) -> Any:
+    """A field's value as the overview prints it."""
+    if key == "exclude_from_weight_decay" and value is None:
+        return "ndim <= 1 (default)"
+    return value
+
+
+def _decay_text(b: Any) -> str:
+    if b.decay == "step":
+        return f"step: x{b.decay_gamma:g} at {', '.join(f'{m:g}' for m in b.decay_milestones)}"
+    if b.decay == "poly":
+        return f"poly power {b.decay_power:g} to {b.final_lr_ratio:g} x peak"
+    if b.decay == "cosine":
+        return f"cosine to {b.final_lr_ratio:g} x peak"
+    return "none"
+
+
+def strategy_overview(
+    strategy: Any,
+    world_size: int,
+    *,
+    steps_per_epoch: int | None = None,
+    total_steps: int | None = None,
+) -> str:
+    """`Strategy.overview`: the Fleet-style "DistributedStrategy Overview" table plus the
+    derived numbers.
+
+    Plain ASCII, 80 columns: reads the same in a terminal and in a log file.
+    """
+    deg = degrees(strategy, world_size)
+    plan = strategy.resolve(deg.data)
+    blocks: list[tuple[str, list[tuple[str, Any]]]] = []
+    for name in SECTIONS:
+        section = getattr(strategy, name)
+        enable = getattr(section, "enable", None)
+        if enable is False or (name == "adaptive" and not section.active
+                               and not section.policies) or (
+                name == "tensor_parallel" and section.tensor_parallel_degree == 1) or (
+                name == "straggler" and "straggler" not in strategy.adaptive.policies):
+            continue
+        title = f"[{name}]" if enable is None else f"{name}=True <-> [{name}]"
+        hidden = _UNUSED.get(section.type, ()) if name == "optimizer" else ()
+        rows = [(k, _shown(k, getattr(section, k))) for k in KEYS[name]
+                if k not in ("enable", *hidden)]
+        blocks.append((title, rows))
+    blocks.append(
+        (
+            f"derived (world_size={world_size})",
+            _derived_rows(strategy, plan, steps_per_epoch, total_steps, deg),
+        )
+    )
+    return render_overview("bigbatch DistributedStrategy Overview", blocks)
+
+
+def _derived_rows(
+    strategy: Any, plan: Any, steps_per_epoch: int | None, total_steps: int | None,
+    deg: Degrees,
+) -> list[tuple[str, Any]]:
+    b = strategy.batch
+    if b.warmup_epochs:
+        warmup = f"{b.warmup_epochs:g} epochs"
+        if steps_per_epoch:
+            warmup += f" = {round(b.warmup_epochs * steps_per_epoch)} steps"
+    else:
+        warmup = f"{b.warmup_steps} steps"
+    if b.warmup_steps or b.warmup_epochs:
+        warmup += (" from 0" if b.warmup_start == "zero" else
+                   f" from {warmup_start_lr(b.base_lr, plan.peak_lr):.6g}")
+    rows: list[tuple[str, Any]] = [
+        ("global_batch_size", plan.global_batch_size),
+        ("micro_batch_size", f"{plan.micro_batch_size} per worker per micro-step"),
+        ("k_steps", plan.k_steps),
+        ("world_size", deg.world) if deg.world == deg.data else ("mesh", deg.describe()),
+        (
+            "global = micro x k x data" if deg.world != deg.data else
+            "global = micro x k x world",
+            f"{plan.micro_batch_size} x {plan.k_steps} x {plan.world_size}",
+        ),
+        ("scale", f"{plan.scale:g} = {plan.global_batch_size} / {b.base_batch_size}"),
+        ("peak_lr", f"{plan.peak_lr:.6g} = {b.base_lr:g} x {b.scaling}({plan.scale:g})"),
+        ("warmup", warmup),
+        ("decay", _decay_text(b)),
+        ("optimizer", _optimizer_text(strategy)),
+    ]
+    if total_steps is not None:
+        rows.append(("total_steps", total_steps))
+    return rows
+
+
+def _optimizer_text(strategy: Any) -> str:
+    o = strategy.optimizer
+    if o.type == "momentum":
+        inner = f"momentum {o.momentum:g}" + (", nesterov" if o.nesterov else "")
+    else:
+        inner = f"betas ({o.beta1:g}, {o.beta2:g}), eps {o.epsilon:g}"
+    return f"{strategy.optimizer_name()} ({inner})"

@@ -14,7 +14,7 @@ from typing import Any
 
 from bigbatch.errors import ConfigError
 
-__all__ = ["Degrees", "check_parallel_combination", "check_pipeline_plan", "degrees"]
+__all__ = ["Degrees", "check_pipeline_plan", "degrees"]
 
 
 @dataclass(frozen=True)
@@ -47,20 +47,82 @@ class Degrees:
     def world(self) -> int:
         return self.pipeline * self.data * self.tensor + self.servers
 
+    # -- one fact each (torchtitan's ParallelDims) ----------------------------------------
+
+    @property
+    def dp_enabled(self) -> bool:
+        """More than one data-parallel rank: the ranks see different samples and their
+        gradients are reduced."""
+        return self.data > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        """More than one replica of the model state (DDP's ranks, HSDP's replicate dim)."""
+        return self.replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        """The model state is sharded over more than one data-parallel rank ([sharding])."""
+        return self.shard > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        """Tensor parallelism: layers sliced over more than one rank (DTensor plans)."""
+        return self.tensor > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        """Pipeline parallelism: the model split into stages on more than one rank."""
+        return self.pipeline > 1
+
+    @property
+    def zero1_enabled(self) -> bool:
+        """ZeRO stage 1: only the optimizer state is sharded (ZeroRedundancyOptimizer over
+        DDP, no mesh)."""
+        return self.stage == 1
+
+    @property
+    def params_sharded(self) -> bool:
+        """ZeRO stage 2 or 3: FSDP2 holds gradients and parameters as shards."""
+        return self.stage >= 2
+
+    @property
+    def needs_mesh(self) -> bool:
+        """The ranks are laid out on a `DeviceMesh` (``pp x dp_replicate x dp_shard x tp``):
+        tensor or pipeline parallelism, or ZeRO stage 2-3. Without it, data parallelism is
+        DDP (ZeRO-1 included) over the default process group."""
+        return self.tp_enabled or self.pp_enabled or self.params_sharded
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """FSDP2 (`fully_shard`) wraps the model over the data-parallel ranks: any mesh run
+        with more than one of them; it shards at ZeRO-2/3 and only all-reduces otherwise.
+        (A pipeline that tracks the noise scale without [sharding] makes its stages DDP
+        modules instead: `prepare()` decides that first.)"""
+        return self.needs_mesh and self.dp_enabled
+
+    @property
+    def sharded_state(self) -> bool:
+        """Each rank holds only part of the model's parameters, gradients and optimizer
+        state (sliced by tensor parallelism, split into pipeline stages or sharded by
+        FSDP2): checkpoints save it per rank through DCP, and one rank's overflow must
+        stop every rank's step."""
+        return self.tp_enabled or self.pp_enabled or self.params_sharded
+
     @property
     def uses_mesh(self) -> bool:
-        """Whether the run needs the device mesh: FSDP2, tensor or pipeline parallelism
-        (the model's state is then saved per rank, through DCP)."""
-        return self.tensor > 1 or self.stage >= 2 or self.pipeline > 1
+        """Deprecated: several facts at once. Read `needs_mesh`, `fsdp_enabled` or
+        `sharded_state`, whichever is meant (kept while the engine still reads it)."""
+        return self.needs_mesh
 
     def describe(self) -> str:
         """One line for the overview table, e.g. ``data 4 x tensor 2, ZeRO-3 over 2 of 4``."""
-        text = f"data {self.data}" + (f" x tensor {self.tensor}" if self.tensor > 1 else "")
-        if self.pipeline > 1:
+        text = f"data {self.data}" + (f" x tensor {self.tensor}" if self.tp_enabled else "")
+        if self.pp_enabled:
             text = f"pipeline {self.pipeline} x " + text
         if self.stage:
             text += f", ZeRO-{self.stage}"
-            if self.replicate > 1:
+            if self.dp_replicate_enabled:
                 text += f" over {self.shard} of {self.data}"
         if self.servers:
             text += f" + {self.servers} parameter server{'s' if self.servers > 1 else ''}"
@@ -107,98 +169,3 @@ def check_pipeline_plan(strategy: Any, k_steps: int) -> None:
             f"pipeline.accumulate_steps={k_steps} micro-batches per step is fewer than the "
             f"{pipe.pp_degree} stages (pp_degree): some stages would never work; use >= "
             f"{pipe.pp_degree}")
-
-
-def check_parallel_combination(strategy: Any) -> None:
-    """Settings that cannot go together whatever the world size."""
-    sharded = strategy.sharding.enable
-    tp = strategy.tensor_parallel.tensor_parallel_degree
-    pipe = strategy.pipeline
-    if pipe.enable:
-        _check_pipeline(strategy)
-    if not sharded and tp == 1 and not pipe.enable:
-        return
-    what = "[sharding]" if sharded else "tensor parallelism" if tp > 1 else "[pipeline]"
-    reduce = "dgc" if strategy.dgc.enable else strategy.data_parallel.reduce
-    if reduce != "mean":
-        how = "Adasum combines" if reduce == "adasum" else "that reduce is a DDP comm hook over"
-        raise ConfigError(
-            f"data_parallel.reduce={reduce!r} with {what}: {how} whole per-worker gradients, "
-            "which sharded or sliced gradients are not; use reduce = \"mean\"")
-    if strategy.adaptive.active and sharded and pipe.enable:
-        raise ConfigError(
-            f"{_adaptive_key(strategy.adaptive)} with [pipeline] and [sharding]: each stage is "
-            "then an FSDP2 module, which accumulates the micro-batches' gradients in its own "
-            "copies, so micro-batch 0's gradient never reaches the parameters; switch "
-            "[sharding] off (the stages' data parallelism is then DDP) or [adaptive] off")
-    if strategy.adaptive.active and (sharded or tp > 1):
-        raise ConfigError(
-            f"[adaptive] with {what}: the noise scale, AdaScale and goodput need each worker's "
-            "whole gradient before it is reduced, which sharded or sliced gradients are not; "
-            "switch [adaptive] off or use plain data parallelism")
-    if "straggler" in strategy.adaptive.policies:
-        raise ConfigError(
-            f'adaptive.policies = ["straggler"] with {what}: compute time is told apart from '
-            "the wait for other workers in DDP's backward only, and rebalancing changes each "
-            "worker's batch; use plain data parallelism")
-    if sharded and strategy.sharding.stage == 1 and tp > 1:
-        raise ConfigError(
-            "sharding.stage=1 (ZeroRedundancyOptimizer over DDP) does not combine with "
-            "tensor_parallel_degree > 1; use sharding.stage 2 or 3")
-    if strategy.data_parallel.sync_batch_norm:
-        raise ConfigError(
-            f"data_parallel.sync_batch_norm with {what} is not supported; switch one off")
-
-
-def _check_pipeline(strategy: Any) -> None:
-    pipe, batch = strategy.pipeline, strategy.batch
-    if strategy.gradient_merge.enable:
-        raise ConfigError("[gradient_merge] with [pipeline]: the pipeline's micro-batches are the "
-                          "merge; set pipeline.accumulate_steps instead of gradient_merge.k_steps")
-    if (pipe.micro_batch_size and batch.micro_batch_size
-            and pipe.micro_batch_size != batch.micro_batch_size):
-        raise ConfigError(
-            f"pipeline.micro_batch_size={pipe.micro_batch_size} and batch.micro_batch_size="
-            f"{batch.micro_batch_size} disagree; set one of them")
-    if strategy.max_grad_norm() is not None and pipe.schedule_mode == "PipeDream":
-        raise ConfigError('max_grad_norm (clipping) with pipeline.schedule_mode = "PipeDream": '
-                          "its stages update per micro-batch, with no step's whole gradient "
-                          "to clip")
-    if strategy.sharding.enable and strategy.sharding.stage == 1:
-        raise ConfigError("sharding.stage=1 with [pipeline] is not supported; use stage 2 or 3")
-    if strategy.adaptive.active:
-        _check_pipeline_adaptive(strategy)
-    if pipe.schedule_mode == "PipeDream" and (
-            strategy.sharding.enable or strategy.tensor_parallel.tensor_parallel_degree > 1
-            or strategy.amp.enable):
-        raise ConfigError('pipeline.schedule_mode = "PipeDream" runs alone: without [sharding], '
-                          "tensor parallelism or [amp]")
-
-
-def _check_pipeline_adaptive(strategy: Any) -> None:
-    """A pipeline tracks the noise scale (micro-batch 0 against the step) and takes AdaScale's
-    gain; it cannot change its batch."""
-    a = strategy.adaptive
-    if strategy.pipeline.schedule_mode == "PipeDream":
-        raise ConfigError(
-            '[adaptive] with pipeline.schedule_mode = "PipeDream": its stages update after '
-            "every micro-batch, so no step has a big-batch gradient to measure; use "
-            '"GPipe", "1F1B" or "Interleaved1F1B"')
-    key = ('adaptive.batch_size="goodput"' if a.batch_size == "goodput" else
-           'adaptive.policies=["goodput"]' if "goodput" in a.policies else
-           'adaptive.policies=["noise_scale_doubling"]'
-           if "noise_scale_doubling" in a.policies else None)
-    if key is not None:
-        raise ConfigError(
-            f"{key} with [pipeline]: the pipeline's schedules are built for "
-            "pipeline.accumulate_steps micro-batches of one shape, so the batch cannot change "
-            'during a run; keep adaptive.noise_scale or adaptive.lr="adascale"')
-
-
-def _adaptive_key(a: Any) -> str:
-    """The first `[adaptive]` setting that reads the noise scale, as a user writes it."""
-    if a.noise_scale:
-        return "adaptive.noise_scale=true"
-    if a.lr != "none":
-        return f'adaptive.lr="{a.lr}"'
-    return 'adaptive.batch_size="goodput"' if a.goodput else "[adaptive]"

@@ -277,22 +277,6 @@ class KfacConfig(_Section):
                 raise ConfigError(f"kfac.layers: unknown layer type {name!r}; allowed: "
                                   f"{', '.join(known)}{hint}")
 
-    def check_with(self, strategy: Any) -> None:
-        """What K-FAC does not combine with: an Adam-type inner optimizer, and parallel
-        forms that split a layer's gradient or activations (called by Strategy)."""
-        if not self.enable:
-            return
-        if strategy.optimizer.type != "momentum":
-            inner = "[lamb]" if strategy.lamb.enable else f'optimizer.type = "{strategy.optimizer.type}"'
-            raise ConfigError(f'[kfac] needs momentum SGD or [lars] inside it; {inner} is not '
-                              'supported (set optimizer.type = "momentum")')
-        split = ("[sharding]" if strategy.sharding.enable else "[pipeline]"
-                 if strategy.pipeline.enable else "tensor parallelism"
-                 if strategy.tensor_parallel.tensor_parallel_degree > 1 else None)
-        if split is not None:
-            raise ConfigError(f"[kfac] with {split}: K-FAC needs every layer's whole gradient "
-                              "and activations on each rank; use plain data parallelism")
-
 
 SECTIONS: dict[str, type[_Section]] = {
     c.section: c

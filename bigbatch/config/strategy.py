@@ -29,16 +29,14 @@ from typing import Any
 
 import tomli_w
 
-from bigbatch.config.comm import check_comm_combination
+from bigbatch.config.compat import check
 from bigbatch.config.fields import (
     parse_literal,
     read_toml_source,
     unknown_key_message,
 )
-from bigbatch.config.overview import render_overview
-from bigbatch.config.parallelism import Degrees, check_parallel_combination, degrees
+from bigbatch.config.overview import strategy_overview
 from bigbatch.config.scaling import scale_lr
-from bigbatch.config.schedules import warmup_start_lr
 from bigbatch.config.sections import (
     KEYS,
     SECTIONS,
@@ -100,27 +98,6 @@ class BatchPlan:
     """base_lr scaled by the batch rule: the LR after warmup."""
 
 
-# Optimizer fields the chosen type ignores; the overview leaves them out.
-_UNUSED = {"momentum": ("beta1", "beta2", "epsilon"), "adamw": ("momentum", "nesterov")}
-
-
-def _shown(key: str, value: Any) -> Any:
-    """A field's value as the overview prints it."""
-    if key == "exclude_from_weight_decay" and value is None:
-        return "ndim <= 1 (default)"
-    return value
-
-
-def _decay_text(b: BatchConfig) -> str:
-    if b.decay == "step":
-        return f"step: x{b.decay_gamma:g} at {', '.join(f'{m:g}' for m in b.decay_milestones)}"
-    if b.decay == "poly":
-        return f"poly power {b.decay_power:g} to {b.final_lr_ratio:g} x peak"
-    if b.decay == "cosine":
-        return f"cosine to {b.final_lr_ratio:g} x peak"
-    return "none"
-
-
 def _off(cls: type) -> Any:
     return field(default_factory=lambda: cls(enable=False))
 
@@ -173,45 +150,7 @@ class Strategy:
                 object.__setattr__(self, name, section_from_dict(cls, value))
             elif not isinstance(value, cls):
                 raise ConfigError(f"[{name}] must be a {cls.__name__}, got {type(value).__name__}")
-        self._check_combination()
-
-    def _check_combination(self) -> None:
-        lars, lamb, opt = self.lars.enable, self.lamb.enable, self.optimizer
-        if lars and lamb:
-            raise ConfigError("[lars] and [lamb] are both enabled; enable at most one of them")
-        if lars and opt.type != "momentum":
-            raise ConfigError(
-                f'[lars] needs optimizer.type = "momentum" (LARS wraps momentum SGD), '
-                f'got "{opt.type}"'
-            )
-        if lamb and opt.type != "adamw":
-            raise ConfigError(
-                f'[lamb] needs optimizer.type = "adamw" (LAMB wraps AdamW), got "{opt.type}"'
-            )
-        if (lars or lamb) and opt.weight_decay != 0:
-            name = "lars" if lars else "lamb"
-            raise ConfigError(
-                f"optimizer.weight_decay={opt.weight_decay} with [{name}] would decay twice; "
-                f"set it to 0 and use {name}.{name}_weight_decay"
-            )
-        check_parallel_combination(self)
-        if self.lamb.enable and None not in (self.lamb.max_grad_norm, opt.max_grad_norm):
-            raise ConfigError(
-                f"lamb.max_grad_norm={self.lamb.max_grad_norm} and optimizer.max_grad_norm="
-                f"{opt.max_grad_norm} are one setting (clip the global gradient norm); set one")
-        self.kfac.check_with(self)
-        check_comm_combination(self)
-        if self.adaptive.lr == "adascale" and self.batch.scaling != "none":
-            raise ConfigError(
-                f'adaptive.lr = "adascale" supplies its own LR gain; set batch.scaling = "none" '
-                f'(got "{self.batch.scaling}")'
-            )
-        if ("straggler" in self.adaptive.policies and self.straggler.action == "rebalance"
-                and self.adaptive.active):
-            raise ConfigError(
-                'straggler.action = "rebalance" with the noise scale tracked ([adaptive] '
-                "noise_scale, AdaScale, goodput or noise_scale_doubling): unequal micro batches "
-                'bias its per-worker estimate; use action = "warn" or "stop" there')
+        check(self)  # settings that cannot go together: bigbatch.config.compat
 
     # -- dict / TOML -----------------------------------------------------------------
 
@@ -361,71 +300,8 @@ class Strategy:
 
         Plain ASCII, 80 columns: reads the same in a terminal and in a log file.
         """
-        deg = degrees(self, world_size)
-        plan = self.resolve(deg.data)
-        blocks: list[tuple[str, list[tuple[str, Any]]]] = []
-        for name in SECTIONS:
-            section = getattr(self, name)
-            enable = getattr(section, "enable", None)
-            if enable is False or (name == "adaptive" and not section.active
-                                   and not section.policies) or (
-                    name == "tensor_parallel" and section.tensor_parallel_degree == 1) or (
-                    name == "straggler" and "straggler" not in self.adaptive.policies):
-                continue
-            title = f"[{name}]" if enable is None else f"{name}=True <-> [{name}]"
-            hidden = _UNUSED.get(section.type, ()) if name == "optimizer" else ()
-            rows = [(k, _shown(k, getattr(section, k))) for k in KEYS[name]
-                    if k not in ("enable", *hidden)]
-            blocks.append((title, rows))
-        blocks.append(
-            (
-                f"derived (world_size={world_size})",
-                self._derived_rows(plan, steps_per_epoch, total_steps, deg),
-            )
-        )
-        return render_overview("bigbatch DistributedStrategy Overview", blocks)
-
-    def _derived_rows(
-        self, plan: BatchPlan, steps_per_epoch: int | None, total_steps: int | None,
-        deg: Degrees,
-    ) -> list[tuple[str, Any]]:
-        b = self.batch
-        if b.warmup_epochs:
-            warmup = f"{b.warmup_epochs:g} epochs"
-            if steps_per_epoch:
-                warmup += f" = {round(b.warmup_epochs * steps_per_epoch)} steps"
-        else:
-            warmup = f"{b.warmup_steps} steps"
-        if b.warmup_steps or b.warmup_epochs:
-            warmup += (" from 0" if b.warmup_start == "zero" else
-                       f" from {warmup_start_lr(b.base_lr, plan.peak_lr):.6g}")
-        rows: list[tuple[str, Any]] = [
-            ("global_batch_size", plan.global_batch_size),
-            ("micro_batch_size", f"{plan.micro_batch_size} per worker per micro-step"),
-            ("k_steps", plan.k_steps),
-            ("world_size", deg.world) if deg.world == deg.data else ("mesh", deg.describe()),
-            (
-                "global = micro x k x data" if deg.world != deg.data else
-                "global = micro x k x world",
-                f"{plan.micro_batch_size} x {plan.k_steps} x {plan.world_size}",
-            ),
-            ("scale", f"{plan.scale:g} = {plan.global_batch_size} / {b.base_batch_size}"),
-            ("peak_lr", f"{plan.peak_lr:.6g} = {b.base_lr:g} x {b.scaling}({plan.scale:g})"),
-            ("warmup", warmup),
-            ("decay", _decay_text(b)),
-            ("optimizer", self._optimizer_text()),
-        ]
-        if total_steps is not None:
-            rows.append(("total_steps", total_steps))
-        return rows
-
-    def _optimizer_text(self) -> str:
-        o = self.optimizer
-        if o.type == "momentum":
-            inner = f"momentum {o.momentum:g}" + (", nesterov" if o.nesterov else "")
-        else:
-            inner = f"betas ({o.beta1:g}, {o.beta2:g}), eps {o.epsilon:g}"
-        return f"{self.optimizer_name()} ({inner})"
+        return strategy_overview(self, world_size, steps_per_epoch=steps_per_epoch,
+                                 total_steps=total_steps)
 
     def max_grad_norm(self) -> float | None:
         """The global-norm clip in force: optimizer.max_grad_norm, or its alias

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bigbatch.config.comm import local_sgd_section
+from bigbatch.config.compat import Context, check
 from bigbatch.config.parallelism import check_pipeline_plan, degrees
 from bigbatch.engine import adaptive as _adaptive
 from bigbatch.engine import policies as _policies
@@ -20,7 +21,6 @@ from bigbatch.engine.amp import LossScaler, amp_dtype
 from bigbatch.engine.optimizer import build_optimizer, weight_decays
 from bigbatch.engine.recompute import apply_recompute
 from bigbatch.engine.run import Run
-from bigbatch.errors import ConfigError
 from bigbatch.parallel.data_parallel import check_reduce, wrap_data_parallel
 from bigbatch.parallel.mesh import ParallelMesh
 from bigbatch.parallel.world import World, init_distributed
@@ -84,25 +84,12 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
     check_reduce(getattr(dp, "reduce", "mean"))
     amp = strategy.amp
     autocast_dtype = amp_dtype(amp.dtype) if amp.enable else None
-    if optimizer is not None:
-        if strategy.lars.enable or strategy.lamb.enable:
-            name = "lars" if strategy.lars.enable else "lamb"
-            raise ConfigError(f"[{name}] builds its own optimizer; with prepare(..., optimizer=...) "
-                              f"switch [{name}] off (your optimizer is used as it is)")
-        if deg.uses_mesh or deg.stage:
-            raise ConfigError("prepare(..., optimizer=...) with [sharding], tensor or pipeline "
-                              "parallelism: they replace the parameters your optimizer holds; "
-                              "let the strategy build it")
-    if deg.tensor > 1 and tp_plan is None:
-        raise ConfigError(
-            f"tensor_parallel.tensor_parallel_degree={deg.tensor}: no tensor-parallel plan for "
-            f"this model; pass prepare(..., tp_plan=...) (module name -> style, or a callable)")
+    # What the strategy cannot do with this model, optimizer and worker (and, with a run,
+    # cannot do at all): the table's rows, before any process group exists.
+    check(strategy, Context(run=True, own_optimizer=optimizer is not None,
+                            tp_plan=tp_plan is not None, distributed=world.is_distributed,
+                            device=world.device.type))
     if dp.sync_batch_norm and world.is_distributed:
-        if world.device.type != "cuda":
-            raise ConfigError(
-                f"data_parallel.sync_batch_norm=true needs CUDA devices (torch's SyncBatchNorm "
-                f"is GPU-only); this worker runs on {world.device.type}"
-            )
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     checkpoints = list(strategy.recompute.checkpoints) if strategy.recompute.enable else []
     if checkpoints:
@@ -115,7 +102,7 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
     init_distributed(dp, world)
     mesh = ParallelMesh(deg, world)
     pipeline = None
-    if deg.pipeline > 1:
+    if deg.pp_enabled:
         from bigbatch.parallel.pipeline import model_layers
         from bigbatch.parallel.pipeline_schedule import PipelineRunner
 
@@ -128,7 +115,7 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
             check_measurable(pipeline)  # before any stage is wrapped
     model.to(world.device)
     loss_parallel = False
-    if deg.tensor > 1:
+    if deg.tp_enabled:
         from bigbatch.parallel.tensor_parallel import (
             apply_tensor_parallel,
             present_plan,
@@ -139,11 +126,12 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
         apply_tensor_parallel(model, mesh.tp_mesh, present_plan(model, tp_plan),
                               replicate_rest=True)
         loss_parallel = uses_loss_parallel(model)
-    if pipeline is not None and deg.data > 1 and not deg.stage and deg.tensor == 1 and needs_gns:
+    if (pipeline is not None and deg.dp_enabled and not deg.stage and not deg.tp_enabled
+            and needs_gns):
         # Micro-batch 0's gradient must reach the parameters (`bigbatch.engine.pipeline_gns`):
         # DDP's stages accumulate in `.grad`, FSDP2's in private copies.
         pipeline.replicate(world.device, float(dp.bucket_cap_mb))
-    elif deg.uses_mesh and deg.data > 1:
+    elif deg.fsdp_enabled:
         from bigbatch.parallel.sharding import apply_fsdp
 
         one_root = pipeline is None or len(pipeline.stage_ids) == 1
@@ -152,21 +140,17 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
                    units=pipeline.fsdp_units() if pipeline is not None else None,
                    root=one_root)
     inner, opt_strategy = None, strategy
-    if world.is_distributed and not deg.uses_mesh:
+    if world.is_distributed and not deg.needs_mesh:  # DDP over the default group
         from bigbatch.parallel.compression import DGC_OPTIMIZER, DGCState, reduce_hook
 
         trainable = [p for p in model.parameters() if p.requires_grad]
         decay = weight_decays(model, strategy)
         inner = reduce_hook(strategy, trainable, weight_decays=[decay[id(p)] for p in trainable])
         if inner is not None and isinstance(inner[1], DGCState):  # the hook owns momentum
-            if optimizer is not None:
-                raise ConfigError(
-                    "data_parallel.reduce = \"dgc\" applies momentum and weight decay inside "
-                    "its reduction and so builds its own optimizer; drop prepare(optimizer=...)")
             opt_strategy = dataclasses.replace(
                 strategy, optimizer=dataclasses.replace(strategy.optimizer, **DGC_OPTIMIZER))
     if optimizer is None:
-        optimizer = build_optimizer(model, opt_strategy, lr=schedule.lr(0), zero=deg.stage == 1)
+        optimizer = build_optimizer(model, opt_strategy, lr=schedule.lr(0), zero=deg.zero1_enabled)
     if pipeline is not None:
         check_pipeline_plan(strategy, plan.k_steps)
         pipeline.start(world.device, plan.k_steps, optimizer)
@@ -177,11 +161,11 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
         local = LocalSGD([p for p in model.parameters() if p.requires_grad], optimizer, section)
         inner = local.hook
     wrapped, comm = model, None
-    if world.is_distributed and not deg.uses_mesh:
+    if world.is_distributed and not deg.needs_mesh:
         wrapped, comm = wrap_data_parallel(model, world.device, dp, bool(local_grad_norm), inner)
     scaler = None
     if autocast_dtype == torch.float16:
-        scaler = LossScaler.from_config(amp, world.device.type, sharded=deg.uses_mesh)
+        scaler = LossScaler.from_config(amp, world.device.type, sharded=deg.sharded_state)
     run = Run(module=model, model=wrapped, optimizer=optimizer, schedule=schedule, world=world,
               plan=plan, strategy=strategy, scaler=scaler, autocast_dtype=autocast_dtype,
               avg=strategy.gradient_merge.avg, comm=comm, owns_group=owns_group,

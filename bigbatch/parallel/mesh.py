@@ -31,7 +31,7 @@ class ParallelMesh:
         self.device_mesh: Any = None
         """The `DeviceMesh` (dims `pp`, `dp_replicate`, `dp_shard`, `tp`), None when not needed."""
         self._dp: Any = None
-        if degrees.uses_mesh and world.is_distributed:
+        if degrees.needs_mesh and world.is_distributed:
             from torch.distributed.device_mesh import init_device_mesh
 
             self.device_mesh = init_device_mesh(
@@ -57,7 +57,7 @@ class ParallelMesh:
     @property
     def pp_group(self) -> Any:
         """The process group along this rank's pipeline (None without one)."""
-        return self.device_mesh["pp"].get_group() if self.degrees.pipeline > 1 else None
+        return self.device_mesh["pp"].get_group() if self.degrees.pp_enabled else None
 
     def rank_at(self, pipeline_rank: int) -> int:
         """The global rank of the stage `pipeline_rank` with this rank's data and tensor place."""
@@ -76,11 +76,11 @@ class ParallelMesh:
     @property
     def tp_mesh(self) -> Any:
         """The 1-D tensor-parallel mesh (None at degree 1)."""
-        return self.device_mesh["tp"] if self.degrees.tensor > 1 else None
+        return self.device_mesh["tp"] if self.degrees.tp_enabled else None
 
     @property
     def fsdp_mesh(self) -> Any:
         """The mesh FSDP2 shards over: 1-D ``dp_shard``, or 2-D (replicate, shard) for HSDP."""
-        if self.degrees.replicate == 1:
+        if not self.degrees.dp_replicate_enabled:
             return self.device_mesh["dp_shard"]
         return self.device_mesh["dp_replicate", "dp_shard"]

@@ -12,7 +12,8 @@ step with a checkpoint (`bigbatch.train.signals`).
 A checkpoint (every `checkpoint_every` steps, at each epoch end and at the end)
 holds the model, the engine's state (optimizer, schedule position, loss scaler,
 adaptive state, batch plan), the sampler's position, every worker's RNG states
-and the step; resuming from it gives the weights an uninterrupted run would have.
+and the step; resuming from it gives the weights an uninterrupted run would have
+(`bigbatch.train.checkpointer` writes and restores it).
 """
 
 from __future__ import annotations
@@ -46,17 +47,12 @@ from bigbatch.parallel.world import (
 )
 from bigbatch.train import data
 from bigbatch.train.checkpoint import (
-    CHECKPOINT_FORMAT,
     WriteError,
-    atomic_save,
-    checkpoint_path,
-    failure_reason,
     load_training_checkpoint,
     rng_state,
-    save_checkpoint,
-    set_rng_state,
     write_text_atomic,
 )
+from bigbatch.train.checkpointer import Checkpointer
 from bigbatch.train.config import MAX_NONFINITE_SKIPS, TrainConfig
 from bigbatch.train.nonfinite import NonFiniteGuard
 from bigbatch.train.outdir import RUN_FILE, prepare_out
@@ -68,7 +64,7 @@ from bigbatch.train.progress import (
     closing_line,
 )
 from bigbatch.train.resume import check_resume
-from bigbatch.train.sharded import load_sharded, save_sharded, whole_model_state
+from bigbatch.train.sharded import load_sharded
 from bigbatch.train.signals import Stopped, StopSignals
 from bigbatch.train.stopped import write_stopped
 from bigbatch.train.summary import run_summary
@@ -129,8 +125,6 @@ class _Trainer:
         if ckpt is not None:
             check_resume(config, strategy, ckpt, resume_from.name, self.model_name,
                          self.total_steps)
-        self._saved: tuple[int, int] | None = None  # (step, samples) of the last checkpoint
-        self.last_checkpoint: Path | None = resume_from
 
         data.seed_everything(config.seed)
         model = task.build_model(self.model_name)
@@ -140,7 +134,9 @@ class _Trainer:
         self.run = run = prepare(model, strategy, total_steps=self.total_steps,
                                  steps_per_epoch=spe, world=world, track_stats=True, plan=plan,
                                  tp_plan=task.tp_plan(model) if tp > 1 else None)
-        self.sharded = run.mesh.degrees.uses_mesh
+        self.checkpoints = Checkpointer(self.out, world, self.files,
+                                        keep=config.keep_checkpoints,
+                                        sharded=run.mesh.degrees.sharded_state, last=resume_from)
         if ckpt is not None and ckpt.get("sharded"):  # DCP reshards to this run's mesh
             load_sharded(resume_from, run.module, run.optimizer)
         if run.adaptive is not None and hasattr(run.adaptive, "limit_batch_size"):
@@ -159,8 +155,6 @@ class _Trainer:
         self.log_every = config.log_every or max(1, min(50, step_units // 10))
         self.timer = {"compute": 0.0, "eval": 0.0, "checkpoint": 0.0}
         self.writer = None
-        if ckpt is not None:
-            self._saved = (run.step, self.samples)
         if self.main:  # every check passed: now the directory is written
             self.files.begin(overwrite=config.overwrite and not config.resume)
             self._write("strategy.toml", strategy.to_toml())
@@ -183,17 +177,11 @@ class _Trainer:
             self.bar.print(exclusion_summary(run.optimizer))
 
     def _restore(self, ckpt: dict) -> None:
-        self.run.load_state_dict(ckpt["engine"])
-        self.sampler.load_state_dict(ckpt["sampler"])
+        self.checkpoints.restore(ckpt, self.run, self.sampler, self.config.seed)
         self.samples = int(ckpt.get("samples", 0))
         self.elapsed_before = float(ckpt.get("wall_time_s", 0.0))
         if self.guard is not None:
             self.guard.skipped = int(ckpt.get("nonfinite_skipped_steps", 0))
-        rngs, w = ckpt["rng"], self.world
-        if len(rngs) == w.world_size:
-            set_rng_state(rngs[w.rank])
-        else:  # another world size: fresh but deterministic streams, one per worker
-            data.seed_everything(self.config.seed * 1000 + w.world_size * 100 + w.rank + self.run.step)
 
     def _follow_plan(self) -> None:
         """Make the sampler hand out the engine's current batch (policies change it)."""
@@ -236,12 +224,12 @@ class _Trainer:
         signum = self.stop.poll()
         if signum is None:
             return
-        if self._saved != (self.run.step, self.samples):
+        if not self.checkpoints.holds(self.run.step, self.samples):
             self.checkpoint()
         self.bar.close()
         if self.writer is not None:
             self.writer.close()
-        raise Stopped(signum, self.run.step, self.last_checkpoint)
+        raise Stopped(signum, self.run.step, self.checkpoints.last)
 
     @property
     def epoch(self) -> float:
@@ -373,31 +361,14 @@ class _Trainer:
     def checkpoint(self) -> None:
         t0 = time.perf_counter()
         rngs = gather(rng_state(), self.world)
-        run = self.run
-        engine = run.state_dict()  # every rank: ZeRO gathers its optimizer state here
-        if self.sharded:
-            save_sharded(checkpoint_path(self.out, run.step), run.module, run.optimizer,
-                         self.main, files=self.files if self.main else None)
-        if self.main:
-            state = {"model": run.module.state_dict()} if not self.sharded else {"sharded": True}
-            self.last_checkpoint = save_checkpoint(self.out, run.step, {
-                "format": CHECKPOINT_FORMAT,
-                "step": run.step,
-                **state,
-                "engine": engine,
-                "sampler": self.sampler.state_dict(),
-                "samples": self.samples,
-                "rng": rngs,
-                "world_size": self.world.world_size,
-                "strategy": self.strategy.to_dict(),
-                "config": self.config.to_dict(),
-                "wall_time_s": self.elapsed_before + time.perf_counter() - self.t_start,
-                "nonfinite_skipped_steps": self.guard.skipped if self.guard else 0,
-            }, keep=self.config.keep_checkpoints, files=self.files)
-        else:
-            self.last_checkpoint = checkpoint_path(self.out, run.step)
-        self._saved = (run.step, self.samples)
+        self.checkpoints.save(self.run, self.sampler, self.samples, rngs, self._counters)
         self.timer["checkpoint"] += time.perf_counter() - t0
+
+    def _counters(self) -> dict[str, Any]:
+        """The trainer's part of a checkpoint (taken as it is written)."""
+        return {"strategy": self.strategy.to_dict(), "config": self.config.to_dict(),
+                "wall_time_s": self.elapsed_before + time.perf_counter() - self.t_start,
+                "nonfinite_skipped_steps": self.guard.skipped if self.guard else 0}
 
     def _finish(self, metrics: dict[str, float], step_time: float) -> dict[str, Any]:
         run, plan, task = self.run, self.run.plan, self.task
@@ -415,16 +386,8 @@ class _Trainer:
                     "checkpoint": timer["checkpoint"]},
             overhead_share=1.0 - timer["compute"] / step_time if step_time > 0 else None)
         sync_buffers(run.module, self.world, run.mesh.dp_group)
-        weights = (whole_model_state(run.module, run.mesh, run.pipeline) if self.sharded
-                   else run.module.state_dict())
+        self.checkpoints.save_final(run)
         if self.main:
-            final = self.out / "final.pt"
-            self.files.add(final)
-            try:
-                atomic_save(weights, final)
-            except (OSError, RuntimeError) as e:  # torch reports a full disk as RuntimeError
-                raise WriteError(f"writing {final} failed ({failure_reason(e)}); the last checkpoint "
-                                 f"{self.last_checkpoint.name} is kept") from e
             self._write("summary.json", json.dumps(summary, indent=2) + "\n")
             self.writer.close()
             self.bar.print(closing_line(summary))
