@@ -109,12 +109,6 @@ class Degrees:
         stop every rank's step."""
         return self.tp_enabled or self.pp_enabled or self.params_sharded
 
-    @property
-    def uses_mesh(self) -> bool:
-        """Deprecated: several facts at once. Read `needs_mesh`, `fsdp_enabled` or
-        `sharded_state`, whichever is meant (kept while the engine still reads it)."""
-        return self.needs_mesh
-
     def describe(self) -> str:
         """One line for the overview table, e.g. ``data 4 x tensor 2, ZeRO-3 over 2 of 4``."""
         text = f"data {self.data}" + (f" x tensor {self.tensor}" if self.tp_enabled else "")

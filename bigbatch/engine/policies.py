@@ -282,7 +282,7 @@ class Policies:
 
     def _batch_changed(self, run: Any, policy: Policy, hook: str, before: Any,
                        changes: int) -> None:
-        if run.mesh.degrees.uses_mesh:
+        if run.mesh.degrees.needs_mesh:  # a fixed layout: ZeRO-2/3, tensor, pipeline
             raise PolicyError(
                 f"policy {policy.name!r}: {hook} changed the batch, which [sharding], tensor "
                 "and pipeline parallelism keep fixed; use plain data parallelism")

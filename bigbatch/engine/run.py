@@ -92,8 +92,7 @@ class Run:
         """`ScheduleClock`: schedule, progress, step counters; the only writer of the LR."""
         # FSDP2 shards the module in place and the module controls gradient sync; torch's
         # pipeline stages switch it themselves.
-        fsdp = module if (self.mesh.degrees.uses_mesh and self.mesh.data_degree > 1
-                          and pipeline is None) else None
+        fsdp = module if self.mesh.degrees.fsdp_enabled and pipeline is None else None
         self.window = MergeWindow(
             k_steps=plan.k_steps, micro_batch_size=plan.micro_batch_size, avg=avg,
             data_rank=self.mesh.data_rank, params=self.params, device=world.device,

@@ -65,7 +65,7 @@ def state_dict(run: Run, comm: Any) -> dict[str, Any]:
     """`Run.state_dict()`: each part's state, in the checkpoint's flat layout."""
     window = run.window.state_dict()
     state: dict[str, Any] = {
-        "optimizer": optimizer_state(run.optimizer, run.world, run.mesh.degrees.uses_mesh),
+        "optimizer": optimizer_state(run.optimizer, run.world, run.mesh.degrees.sharded_state),
         "scaler": run.scaler.state_dict() if run.scaler is not None else None,
         **run.clock.state_dict(),
         "micro": window.pop("micro"),
