@@ -33,4 +33,3 @@ FACTS = ("dp_enabled", "dp_replicate_enabled", "dp_shard_enabled", "tp_enabled",
 def test_each_fact_of_a_layout(body, world, true):
     deg = degrees(Strategy.from_dict(body), world)
     assert {name for name in FACTS if getattr(deg, name)} == true
-    assert deg.uses_mesh == deg.needs_mesh  # the old name, while the engine still reads it
