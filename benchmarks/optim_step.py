@@ -85,12 +85,24 @@ def candidates(shapes, device, mesh=None):
                     mk(lambda p, kw=kw: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, **kw))))
         out.append((f"torch SGD m=0.9 ({mode})", "sgd",
                     mk(lambda p, kw=kw: torch.optim.SGD(p, lr=0.1, momentum=0.9, **kw))))
-    for kernel in ("per_tensor", "multi_tensor") + (() if mesh is not None else ("reference",)):
+    kernels = ("per_tensor", "multi_tensor") + (() if mesh is not None else ("reference",))
+    if device == "cuda":
+        kernels = ("triton",) + kernels
+    for kernel in kernels:
         fam = "" if kernel != "reference" else "-ref"
         out.append((f"bigbatch LAMB ({kernel})", "lamb" + fam,
                     mk(lambda p, k=kernel: LAMB(p, lr=1e-3, kernel=k))))
         out.append((f"bigbatch LARS ({kernel})", "lars" + fam,
                     mk(lambda p, k=kernel: LARS(p, lr=0.1, kernel=k))))
+    try:
+        from timm.optim import Lamb as TimmLamb
+        from timm.optim import Lars as TimmLars
+
+        out.append(("timm Lamb", "lamb-other",
+                    mk(lambda p: TimmLamb(p, lr=1e-3, weight_decay=0.01))))
+        out.append(("timm Lars", "lars-other", mk(lambda p: TimmLars(p, lr=0.1, momentum=0.9))))
+    except ImportError:
+        pass
     try:
         import torch_optimizer
         out.append(("torch_optimizer.Lamb", "lamb-other",
@@ -149,7 +161,7 @@ def report(name: str, shapes, rounds: int, device: str, mesh=None) -> None:
         say(f"  {label:30s} {ms:8.1f} ms")
     say("  ratios (lower is better):")
     for fam, base in (("lamb", "adamw"), ("lamb-ref", "adamw"), ("lamb-other", "adamw"),
-                      ("lars", "sgd"), ("lars-ref", "sgd")):
+                      ("lars", "sgd"), ("lars-ref", "sgd"), ("lars-other", "sgd")):
         for label, (f, ms) in res.items():
             if f != fam or best[base] is None:
                 continue
