@@ -54,7 +54,11 @@ def CountCollectives() -> CountCalls:
                        "broadcast", "all_gather_tensor"))
 
 
-def _worker(family):
+def _worker(family, kernels=KERNELS, sizes=None, dtypes=(torch.float64, torch.float32),
+            picks=None, steps=STEPS):
+    """The cases of ``family`` (those at ``picks``, default all) with each of ``kernels``
+    and ``dtypes``, ``steps`` steps each; ``sizes`` overrides the Triton kernel's chunk
+    sizes here."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -65,11 +69,16 @@ def _worker(family):
         parallelize_module,
     )
 
+    from bigbatch.optim import _triton_plan
+
+    for name, value in (sizes or {}).items():
+        setattr(_triton_plan, name, value)
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2,))
     results = []
-    cases = [(dtype, mode, kernel, cls, kw) for dtype in (torch.float64, torch.float32)
-             for mode in ("fsdp", "tp") for kernel in KERNELS for cls, kw in CASES[family]]
+    cases = [(dtype, mode, kernel, cls, kw) for dtype in dtypes
+             for mode in ("fsdp", "tp") for kernel in kernels
+             for i, (cls, kw) in enumerate(CASES[family]) if picks is None or i in picks]
     for dtype, mode, kernel, cls, kw in cases:
         model = mlp(dtype)
         single = copy.deepcopy(model)
@@ -87,7 +96,7 @@ def _worker(family):
         single_opt = cls(single.named_parameters(), exclude=EXCLUDE,
                          kernel="reference", **kw)
         counts = []
-        for t in range(STEPS):
+        for t in range(steps):
             x, y = data(dtype, t)
             # FSDP is data parallel: each rank takes half the batch, gradients average.
             xs, ys = (x.chunk(2)[rank], y.chunk(2)[rank]) if mode == "fsdp" else (x, y)
@@ -118,7 +127,14 @@ def dist_results(request):
 
 
 def test_sharded_and_tensor_parallel_equal_single_process(dist_results):
-    family, per_rank = dist_results
+    check_equal_single_process(*dist_results)
+
+
+def test_one_all_reduce_per_step_for_all_tensors(dist_results):
+    check_one_all_reduce_per_step(*dist_results)
+
+
+def check_equal_single_process(family, per_rank):
     assert len(per_rank) == 2
     for case in per_rank[0]:
         tol = 1e-10 if case["dtype"] == "torch.float64" else 1e-5
@@ -127,12 +143,11 @@ def test_sharded_and_tensor_parallel_equal_single_process(dist_results):
                                                    case["dtype"], case["kw"], name, diff)
 
 
-def test_one_all_reduce_per_step_for_all_tensors(dist_results):
-    family, per_rank = dist_results
+def check_one_all_reduce_per_step(family, per_rank):
     for results in per_rank:
         for case in results:
             # TP's LayerNorm is a plain tensor and row-wise biases are replicated: only the
             # sharded tensors are reduced, all in one call. LAMB's clipping adds one.
             expected = 1 + (case["kw"].get("max_grad_norm") is not None)
-            assert case["counts"] == [expected] * STEPS, (family, case["mode"], case["kernel"],
+            assert case["counts"] == [expected] * len(case["counts"]), (family, case["mode"], case["kernel"],
                                                           case["counts"])

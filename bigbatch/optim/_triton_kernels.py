@@ -1,4 +1,4 @@
-"""LAMB's and LARS's Triton kernels: every tensor of a step in one launch per pass.
+"""LAMB's and LARS's Triton kernels: every tensor of a bucket in one launch per pass.
 
 Imported only through ``_triton_plan.kernels(device)``, which loads this file
 compiled for CUDA tensors and, under ``TRITON_INTERPRET=1``, a second time
@@ -13,9 +13,18 @@ role share the memory layout of their weight (``_triton_plan`` stages those
 that do not), so walking raw memory pairs the right elements.
 
 Norms without atomics. A first pass writes each chunk's partial sums of
-squares to ``partials``; ``reduce_chunks`` (one program per tensor) adds a
-tensor's partials in a fixed order. Every sum is therefore the same, bit for
-bit, on every run; a second pass then applies the trust ratio.
+squares to ``partials``; in the second pass every program of a tensor adds
+that tensor's partials itself, in a fixed order (``_tensor_squares``), and
+applies the trust ratio. Every program thus gets the same sums, bit for bit,
+on every run. For DTensor shards ``reduce_chunks`` adds them once, per
+tensor, so that they can be summed over the mesh before the second pass.
+
+Per-tensor state between the passes. A tensor's first chunk (``start == 0``)
+writes its scalar state, but other programs of the tensor read it, and
+programs run in no fixed order. So the first pass's first chunk copies what
+the second pass needs to ``scalars[t]`` (LAMB: the new step count; LARS: the
+previous ``local_lr``), and only the second pass's first chunk writes the
+state, which no program of that pass reads.
 
 Scalars. Per-program rules (bias corrections, trust ratios, LARS's rates)
 run in float64: float arguments are declared ``tl.float64`` and wrapped by
@@ -33,11 +42,27 @@ triton = importlib.import_module("triton")
 tl = importlib.import_module("triton.language")
 
 
+# The loader sets this while it runs this file: interpreted or compiled.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _device_function(fn):
     """A helper the kernels call: jit-compiled with them, but plain Python under the
     interpreter, which re-patches ``triton.language`` on every call of a jit
     function (~2 ms each: most of the interpreted tests' time)."""
-    return fn if os.environ.get("TRITON_INTERPRET") == "1" else triton.jit(fn)
+    return fn if _INTERPRET else triton.jit(fn)
+
+
+def _add(a, b):
+    return a + b
+
+
+# The kernels use triton.language's builtins only, never its own jit functions
+# (tl.zeros, tl.sum): those took one mode when Triton was first imported, and a
+# process may run both (interpreted CPU tests, compiled CUDA tests). The sum is a
+# reduction with our own combine function; the interpreter recognises its own
+# ``_sum_combine`` and sums with numpy.
+_SUM = tl.standard._sum_combine if _INTERPRET else triton.jit(_add)
 
 
 @_device_function
@@ -78,22 +103,45 @@ def _chunk(chunk_tensor, chunk_start, numel, c, CHUNK: tl.constexpr):
 
 
 @_device_function
-def _bias_corrections(step_ptr, offset, log_beta1, log_beta2, BIAS: tl.constexpr):
-    """``(1 - beta1^t, 1 - beta2^t)`` in float64 with ``t = step + offset``; (1, 1) without."""
+def _bias_corrections(step, log_beta1, log_beta2, BIAS: tl.constexpr):
+    """``(1 - beta1^step, 1 - beta2^step)`` in float64; (1, 1) without bias correction."""
     if BIAS:
-        t = tl.load(step_ptr).to(tl.float64) + offset
-        return 1.0 - tl.exp(t * _f64(log_beta1)), 1.0 - tl.exp(t * _f64(log_beta2))
+        bc1 = 1.0 - tl.exp(step * _f64(log_beta1))
+        bc2 = 1.0 - tl.exp(step * _f64(log_beta2))
     else:
-        return _f64(1.0), _f64(1.0)
+        bc1 = _f64(1.0)
+        bc2 = _f64(1.0)
+    return bc1, bc2
 
 
 @_device_function
 def _rate(lr_ptr, lr_value, LR_PTR: tl.constexpr):
     """The learning rate: a 0-d device tensor's value, or the float argument."""
-    if LR_PTR:
-        return tl.load(lr_ptr).to(tl.float64)
+    return tl.load(lr_ptr).to(tl.float64) if LR_PTR else _f64(lr_value)
+
+
+@_device_function
+def _tensor_squares(partials, first_chunk, squares, t, SUMMED: tl.constexpr,
+                    RBLOCK: tl.constexpr):
+    """Tensor ``t``'s two sums of squares: read from ``squares`` (SUMMED), or added
+    from its chunks' ``partials``, always in the same order."""
+    if SUMMED:
+        a = tl.load(squares + 2 * t)
+        b = tl.load(squares + 2 * t + 1)
     else:
-        return _f64(lr_value)
+        c1 = tl.load(first_chunk + t + 1)
+        acc0 = tl.full((RBLOCK,), 0.0, tl.float64)
+        acc1 = tl.full((RBLOCK,), 0.0, tl.float64)
+        i = tl.load(first_chunk + t)
+        while i < c1:
+            offs = i + tl.arange(0, RBLOCK)
+            mask = offs < c1
+            acc0 += tl.load(partials + 2 * offs, mask=mask, other=0.0)
+            acc1 += tl.load(partials + 2 * offs + 1, mask=mask, other=0.0)
+            i += RBLOCK
+        a = tl.reduce(acc0, 0, _SUM)
+        b = tl.reduce(acc1, 0, _SUM)
+    return a, b
 
 
 @triton.jit(do_not_specialize=["n_tensors", "chunk0", "role"])
@@ -103,50 +151,40 @@ def sum_squares(ptrs, n_tensors, chunk_tensor, chunk_start, numel, out, chunk0, 
     c = chunk0 + tl.program_id(0)
     t, start, n = _chunk(chunk_tensor, chunk_start, numel, c, CHUNK)
     x_ptr = _row(ptrs, role, n_tensors, t, W) + start
-    acc = tl.zeros((BLOCK,), C)
+    acc = tl.full((BLOCK,), 0.0, C)
     i = 0
     while i < n:
         offs = i + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(C)
         acc += x * x
         i += BLOCK
-    tl.store(out + c, tl.sum(acc, 0).to(tl.float64))
+    tl.store(out + c, tl.reduce(acc, 0, _SUM).to(tl.float64))
 
 
-@triton.jit(do_not_specialize=["n_tensors", "t0", "aux_role"])
-def reduce_chunks(partials, first_chunk, squares, ptrs, n_tensors, t0, aux, aux_role,
-                  K: tl.constexpr, MODE: tl.constexpr, S: tl.constexpr, BLOCK: tl.constexpr):
-    """Per tensor ``t`` (from ``t0`` on, one program each): ``squares[K*t + k]`` = the sum of its chunks' ``partials[K*c + k]``,
-    always added in the same order; then the bookkeeping between the two passes:
-    MODE 1 (LAMB) adds 1 to the step in row ``aux_role``; MODE 2 (LARS) copies the
-    stored ``local_lr`` in row ``aux_role`` to ``aux[t]``, for the second pass to read
-    while its first chunk overwrites the state."""
-    t = t0 + tl.program_id(0)
-    c0 = tl.load(first_chunk + t)
+@triton.jit
+def reduce_chunks(partials, first_chunk, squares, K: tl.constexpr, RBLOCK: tl.constexpr):
+    """Per tensor ``t`` (a program each): ``squares[K*t + k]`` = the sum of its chunks'
+    ``partials[K*c + k]``, always added in the same order."""
+    t = tl.program_id(0)
     c1 = tl.load(first_chunk + t + 1)
-    acc0 = tl.zeros((BLOCK,), tl.float64)
-    acc1 = tl.zeros((BLOCK,), tl.float64)
-    i = c0
+    acc0 = tl.full((RBLOCK,), 0.0, tl.float64)
+    acc1 = tl.full((RBLOCK,), 0.0, tl.float64)
+    i = tl.load(first_chunk + t)
     while i < c1:
-        offs = i + tl.arange(0, BLOCK)
+        offs = i + tl.arange(0, RBLOCK)
         mask = offs < c1
         acc0 += tl.load(partials + K * offs, mask=mask, other=0.0)
         if K == 2:
             acc1 += tl.load(partials + K * offs + 1, mask=mask, other=0.0)
-        i += BLOCK
-    tl.store(squares + K * t, tl.sum(acc0, 0))
+        i += RBLOCK
+    tl.store(squares + K * t, tl.reduce(acc0, 0, _SUM))
     if K == 2:
-        tl.store(squares + K * t + 1, tl.sum(acc1, 0))
-    if MODE == 1:
-        step_ptr = _row(ptrs, aux_role, n_tensors, t, tl.float32)
-        tl.store(step_ptr, tl.load(step_ptr) + 1.0)
-    if MODE == 2:
-        tl.store(aux + t, tl.load(_row(ptrs, aux_role, n_tensors, t, S)).to(tl.float64))
+        tl.store(squares + K * t + 1, tl.reduce(acc1, 0, _SUM))
 
 
 @triton.jit(do_not_specialize=["n_tensors", "chunk0"])
-def lamb_moments(ptrs, n_tensors, chunk_tensor, chunk_start, numel, partials, chunk0, total,
-                 beta1: tl.float64, beta2: tl.float64, log_beta1: tl.float64,
+def lamb_moments(ptrs, n_tensors, chunk_tensor, chunk_start, numel, partials, scalars, chunk0,
+                 total, beta1: tl.float64, beta2: tl.float64, log_beta1: tl.float64,
                  log_beta2: tl.float64, eps: tl.float64, weight_decay: tl.float64,
                  max_norm: tl.float64, W: tl.constexpr, S: tl.constexpr, C: tl.constexpr,
                  BIAS: tl.constexpr, NORMS: tl.constexpr, CLIP: tl.constexpr,
@@ -156,13 +194,13 @@ def lamb_moments(ptrs, n_tensors, chunk_tensor, chunk_start, numel, partials, ch
         g = g / clip                       (CLIP: clip = max(||g_all|| / max_norm, 1), stored)
         m = beta1 * m + (1 - beta1) * g
         v = beta2 * v + (1 - beta2) * g^2
-        u = (m / bc1) / (sqrt(v / bc2) + eps) + weight_decay * w
+        u = (m / bc1) / (sqrt(v / bc2) + eps) + weight_decay * w     (bc: at step + 1)
 
     ``u`` is not stored: the second pass recomputes it from the stored moments
     (reading m, v, w there moves as many bytes as writing u here and reading it
     back, and needs no buffer). With NORMS, the chunk's sums of ``w^2`` and
-    ``u^2`` go to ``partials[2c]``, ``partials[2c + 1]``. The step is read as
-    stored, before ``reduce_chunks`` counts it, hence the offset 1.
+    ``u^2`` go to ``partials[2c]``, ``partials[2c + 1]``. The first chunk puts
+    the new step count in ``scalars[t]``.
     """
     c = chunk0 + tl.program_id(0)
     t, start, n = _chunk(chunk_tensor, chunk_start, numel, c, CHUNK)
@@ -170,8 +208,9 @@ def lamb_moments(ptrs, n_tensors, chunk_tensor, chunk_start, numel, partials, ch
     g_ptr = _row(ptrs, 1, n_tensors, t, W) + start
     m_ptr = _row(ptrs, 2, n_tensors, t, S) + start
     v_ptr = _row(ptrs, 3, n_tensors, t, S) + start
-    bc1, bc2 = _bias_corrections(_row(ptrs, 4, n_tensors, t, tl.float32), 1.0, log_beta1,
-                                 log_beta2, BIAS)
+    step = tl.load(_row(ptrs, 4, n_tensors, t, tl.float32)).to(tl.float64) + 1.0
+    tl.store(scalars + t, step, mask=start == 0)
+    bc1, bc2 = _bias_corrections(step, log_beta1, log_beta2, BIAS)
     if CLIP:
         norm = tl.sqrt(tl.load(total))
         clip = tl.where(norm > _f64(max_norm), norm / _f64(max_norm), 1.0).to(C)
@@ -183,8 +222,8 @@ def lamb_moments(ptrs, n_tensors, chunk_tensor, chunk_start, numel, partials, ch
     c2 = bc2.to(C)
     e = _f64(eps).to(C)
     wd = _f64(weight_decay).to(C)
-    acc_w = tl.zeros((BLOCK,), C)
-    acc_u = tl.zeros((BLOCK,), C)
+    acc_w = tl.full((BLOCK,), 0.0, C)
+    acc_u = tl.full((BLOCK,), 0.0, C)
     i = 0
     while i < n:
         offs = i + tl.arange(0, BLOCK)
@@ -205,16 +244,16 @@ def lamb_moments(ptrs, n_tensors, chunk_tensor, chunk_start, numel, partials, ch
             acc_u += u * u
         i += BLOCK
     if NORMS:
-        tl.store(partials + 2 * c, tl.sum(acc_w, 0).to(tl.float64))
-        tl.store(partials + 2 * c + 1, tl.sum(acc_u, 0).to(tl.float64))
+        tl.store(partials + 2 * c, tl.reduce(acc_w, 0, _SUM).to(tl.float64))
+        tl.store(partials + 2 * c + 1, tl.reduce(acc_u, 0, _SUM).to(tl.float64))
 
 
 @_device_function
-def _lamb_ratio(squares, t, TRUST_CLIP: tl.constexpr):
+def _lamb_ratio(w_square, u_square, TRUST_CLIP: tl.constexpr):
     """``||w|| / ||u||`` from the squared norms, 1 where either is 0; capped at 1
     with TRUST_CLIP (``_steps.lamb_trust_ratio``)."""
-    w_norm = tl.sqrt(tl.load(squares + 2 * t))
-    u_norm = tl.sqrt(tl.load(squares + 2 * t + 1))
+    w_norm = tl.sqrt(w_square)
+    u_norm = tl.sqrt(u_square)
     skip = (w_norm == 0.0) | (u_norm == 0.0)
     ratio = w_norm / tl.where(skip, 1.0, u_norm)
     if TRUST_CLIP:
@@ -223,25 +262,33 @@ def _lamb_ratio(squares, t, TRUST_CLIP: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["n_tensors", "chunk0"])
-def lamb_update(ptrs, n_tensors, chunk_tensor, chunk_start, numel, squares, chunk0, lr_ptr,
-                lr_value: tl.float64, log_beta1: tl.float64, log_beta2: tl.float64,
-                eps: tl.float64, weight_decay: tl.float64, ratios, positions,
-                W: tl.constexpr, S: tl.constexpr, C: tl.constexpr, BIAS: tl.constexpr,
-                ADAPT: tl.constexpr, TRUST_CLIP: tl.constexpr, LR_PTR: tl.constexpr,
-                TRACK: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def lamb_update(ptrs, n_tensors, chunk_tensor, chunk_start, numel, first_chunk, partials,
+                squares, scalars, chunk0, lr_ptr, lr_value: tl.float64,
+                log_beta1: tl.float64, log_beta2: tl.float64, eps: tl.float64,
+                weight_decay: tl.float64, ratios, positions, W: tl.constexpr,
+                S: tl.constexpr, C: tl.constexpr, BIAS: tl.constexpr, ADAPT: tl.constexpr,
+                TRUST_CLIP: tl.constexpr, SUMMED: tl.constexpr, LR_PTR: tl.constexpr,
+                TRACK: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                RBLOCK: tl.constexpr):
     """LAMB's second pass: ``w -= lr * ratio * u``, ``u`` recomputed from the stored
-    moments exactly as the first pass computed it (the step now counted). The
-    tensor's first chunk records the ratio at ``ratios[positions[t]]`` (TRACK)."""
+    moments exactly as the first pass computed it. The tensor's first chunk stores
+    the step count and, with TRACK, the ratio at ``ratios[positions[t]]``."""
     c = chunk0 + tl.program_id(0)
     t, start, n = _chunk(chunk_tensor, chunk_start, numel, c, CHUNK)
     w_ptr = _row(ptrs, 0, n_tensors, t, W) + start
     m_ptr = _row(ptrs, 2, n_tensors, t, S) + start
     v_ptr = _row(ptrs, 3, n_tensors, t, S) + start
-    bc1, bc2 = _bias_corrections(_row(ptrs, 4, n_tensors, t, tl.float32), 0.0, log_beta1,
-                                 log_beta2, BIAS)
-    ratio = _lamb_ratio(squares, t, TRUST_CLIP) if ADAPT else _f64(1.0)
+    step = tl.load(scalars + t)
+    first = start == 0
+    tl.store(_row(ptrs, 4, n_tensors, t, tl.float32), step.to(tl.float32), mask=first)
+    bc1, bc2 = _bias_corrections(step, log_beta1, log_beta2, BIAS)
+    if ADAPT:
+        w_square, u_square = _tensor_squares(partials, first_chunk, squares, t, SUMMED, RBLOCK)
+        ratio = _lamb_ratio(w_square, u_square, TRUST_CLIP)
+    else:
+        ratio = _f64(1.0)
     if TRACK:
-        tl.store(ratios + tl.load(positions + t), ratio, mask=start == 0)
+        tl.store(ratios + tl.load(positions + t), ratio, mask=first)
     scale = (-_rate(lr_ptr, lr_value, LR_PTR) * ratio).to(C)
     c1 = bc1.to(C)
     c2 = bc2.to(C)
@@ -260,34 +307,40 @@ def lamb_update(ptrs, n_tensors, chunk_tensor, chunk_start, numel, squares, chun
 
 
 @triton.jit(do_not_specialize=["n_tensors", "chunk0"])
-def lars_norms(ptrs, n_tensors, chunk_tensor, chunk_start, numel, partials, chunk0,
-               W: tl.constexpr, C: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """LARS's first pass: the chunk's sums of ``w^2`` and ``g^2`` into ``partials``."""
+def lars_norms(ptrs, n_tensors, chunk_tensor, chunk_start, numel, partials, scalars, chunk0,
+               W: tl.constexpr, S: tl.constexpr, C: tl.constexpr, NORMS: tl.constexpr,
+               CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """LARS's first pass (rows: w, g, b, local_lr): with NORMS the chunk's sums of
+    ``w^2`` and ``g^2`` into ``partials``; the first chunk copies the stored
+    ``local_lr`` to ``scalars[t]``."""
     c = chunk0 + tl.program_id(0)
     t, start, n = _chunk(chunk_tensor, chunk_start, numel, c, CHUNK)
-    w_ptr = _row(ptrs, 0, n_tensors, t, W) + start
-    g_ptr = _row(ptrs, 1, n_tensors, t, W) + start
-    acc_w = tl.zeros((BLOCK,), C)
-    acc_g = tl.zeros((BLOCK,), C)
-    i = 0
-    while i < n:
-        offs = i + tl.arange(0, BLOCK)
-        mask = offs < n
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(C)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(C)
-        acc_w += w * w
-        acc_g += g * g
-        i += BLOCK
-    tl.store(partials + 2 * c, tl.sum(acc_w, 0).to(tl.float64))
-    tl.store(partials + 2 * c + 1, tl.sum(acc_g, 0).to(tl.float64))
+    prev = tl.load(_row(ptrs, 3, n_tensors, t, S)).to(tl.float64)
+    tl.store(scalars + t, prev, mask=start == 0)
+    if NORMS:
+        w_ptr = _row(ptrs, 0, n_tensors, t, W) + start
+        g_ptr = _row(ptrs, 1, n_tensors, t, W) + start
+        acc_w = tl.full((BLOCK,), 0.0, C)
+        acc_g = tl.full((BLOCK,), 0.0, C)
+        i = 0
+        while i < n:
+            offs = i + tl.arange(0, BLOCK)
+            mask = offs < n
+            w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(C)
+            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(C)
+            acc_w += w * w
+            acc_g += g * g
+            i += BLOCK
+        tl.store(partials + 2 * c, tl.reduce(acc_w, 0, _SUM).to(tl.float64))
+        tl.store(partials + 2 * c + 1, tl.reduce(acc_g, 0, _SUM).to(tl.float64))
 
 
 @_device_function
-def _lars_local_lr(squares, t, lr, coeff, weight_decay, eps, TRUST_CLIP: tl.constexpr):
+def _lars_local_lr(w_square, g_square, lr, coeff, weight_decay, eps, TRUST_CLIP: tl.constexpr):
     """``_steps.lars_local_lr`` in float64: ``lr * coeff * ||w|| / (||g|| + wd ||w|| + eps)``
     (TRUST_CLIP: the adaptive rate capped at lr); lr where either norm is 0."""
-    w_norm = tl.sqrt(tl.load(squares + 2 * t))
-    g_norm = tl.sqrt(tl.load(squares + 2 * t + 1))
+    w_norm = tl.sqrt(w_square)
+    g_norm = tl.sqrt(g_square)
     skip = (w_norm == 0.0) | (g_norm == 0.0)
     adaptive = coeff * w_norm / tl.where(skip, 1.0, g_norm + weight_decay * w_norm + eps)
     local = tl.minimum(adaptive, lr) if TRUST_CLIP else lr * adaptive
@@ -295,21 +348,22 @@ def _lars_local_lr(squares, t, lr, coeff, weight_decay, eps, TRUST_CLIP: tl.cons
 
 
 @triton.jit(do_not_specialize=["n_tensors", "chunk0"])
-def lars_update(ptrs, n_tensors, chunk_tensor, chunk_start, numel, squares, chunk0, prev_lrs,
-                lr_ptr, lr_value: tl.float64, momentum: tl.float64, weight_decay: tl.float64,
-                coeff: tl.float64, eps: tl.float64, ratios, positions, W: tl.constexpr,
-                S: tl.constexpr, C: tl.constexpr, ADAPT: tl.constexpr,
-                TRUST_CLIP: tl.constexpr, NESTEROV: tl.constexpr, LR_PTR: tl.constexpr,
-                TRACK: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """LARS's second pass (rows: w, g, b, local_lr), ``_steps.lars_momentum_coefficients``
-    then the momentum step, in the buffer's units (see ``lars.py``)::
+def lars_update(ptrs, n_tensors, chunk_tensor, chunk_start, numel, first_chunk, partials,
+                squares, scalars, chunk0, lr_ptr, lr_value: tl.float64, momentum: tl.float64,
+                weight_decay: tl.float64, coeff: tl.float64, eps: tl.float64, ratios,
+                positions, W: tl.constexpr, S: tl.constexpr, C: tl.constexpr,
+                ADAPT: tl.constexpr, TRUST_CLIP: tl.constexpr, NESTEROV: tl.constexpr,
+                SUMMED: tl.constexpr, LR_PTR: tl.constexpr, TRACK: tl.constexpr,
+                CHUNK: tl.constexpr, BLOCK: tl.constexpr, RBLOCK: tl.constexpr):
+    """LARS's second pass, ``_steps.lars_momentum_coefficients`` then the momentum
+    step, in the buffer's units (see ``lars.py``)::
 
         d = g + weight_decay * w
         b = carry * b + d_coef * d
         w = w - unit * b                   (Nesterov: w - momentum * unit * b - local_lr * d)
 
     The tensor's first chunk stores ``unit`` as its new ``local_lr`` (every chunk
-    read the previous one from ``prev_lrs``) and, with TRACK, ``local_lr / lr``.
+    read the previous one from ``scalars``) and, with TRACK, ``local_lr / lr``.
     """
     c = chunk0 + tl.program_id(0)
     t, start, n = _chunk(chunk_tensor, chunk_start, numel, c, CHUNK)
@@ -317,10 +371,12 @@ def lars_update(ptrs, n_tensors, chunk_tensor, chunk_start, numel, squares, chun
     mu = _f64(momentum)
     wd64 = _f64(weight_decay)
     if ADAPT:
-        local_lr = _lars_local_lr(squares, t, lr, _f64(coeff), wd64, _f64(eps), TRUST_CLIP)
+        w_square, g_square = _tensor_squares(partials, first_chunk, squares, t, SUMMED, RBLOCK)
+        local_lr = _lars_local_lr(w_square, g_square, lr, _f64(coeff), wd64, _f64(eps),
+                                  TRUST_CLIP)
     else:
         local_lr = lr
-    prev = tl.load(prev_lrs + t)
+    prev = tl.load(scalars + t)
     zero = local_lr == 0.0
     unit = tl.where(zero, tl.where(prev == 0.0, 1.0, prev), local_lr)
     first = start == 0

@@ -105,9 +105,10 @@ class Layout:
     starts: list[int]            # first chunk of each tensor, on the host
     partials: torch.Tensor       # [2C] per-chunk sums of squares
     squares: torch.Tensor        # [2T] per-tensor sums of squares
-    scalars: torch.Tensor        # [T] one float64 per tensor (LARS: the previous local_lr)
+    scalars: torch.Tensor        # [T] a float64 per tensor, from the first pass to the second
     host: list[torch.Tensor] = field(default_factory=list)
     _grad_partials: torch.Tensor | None = None
+    _grad_squares: torch.Tensor | None = None
 
     @classmethod
     def build(cls, numels: list[int], positions: list[int], device) -> Layout:
@@ -129,6 +130,12 @@ class Layout:
         if self._grad_partials is None:
             self._grad_partials = torch.zeros_like(self.partials[: len(self.chunk_tensor)])
         return self._grad_partials
+
+    def grad_squares(self) -> torch.Tensor:
+        """[T] per-tensor sums of squares of the gradients (for clipping)."""
+        if self._grad_squares is None:
+            self._grad_squares = torch.zeros_like(self.scalars)
+        return self._grad_squares
 
 
 @dataclass
@@ -154,15 +161,18 @@ class Step:
     layout: Layout
     buckets: list[Bucket]
     owners: list[torch.Tensor]          # the parameters, in the step's order
-    copies: list[tuple[torch.Tensor, torch.Tensor]]
+    # (original, staged copy) of every staged tensor, held until the launches are queued
+    staged: list[tuple[torch.Tensor, torch.Tensor, bool]]
 
     @property
     def sharded(self) -> bool:
         return any(is_dtensor(w) for w in self.owners)
 
     def copy_back(self) -> None:
-        for original, staged in self.copies:
-            original.copy_(staged)
+        """Written staged tensors back to their originals (after the last launch)."""
+        for original, staged, written in self.staged:
+            if written:
+                original.copy_(staged)
 
 
 def _layout(workspace: dict, numels: list[int], positions: list[int], device) -> Layout:
@@ -204,10 +214,10 @@ def prepare(workspace: dict | None, runs, streamed: int, written: tuple[int, ...
     if len({(e[0], e[3][0].dtype, e[3][2].dtype) for e in entries}) > len(runs):
         entries.sort(key=lambda e: (e[0], str(e[3][0].dtype), str(e[3][2].dtype)))
     device = entries[0][3][0].device
-    copies = []
+    staged = []
     for _, _, _, rows in entries:
         if not fusable(*rows[:streamed]):
-            _stage(rows, streamed, written, copies)
+            _stage(rows, streamed, written, staged)
     buckets: list[Bucket] = []
     for t, (r, _, _, rows) in enumerate(entries):
         kind = (rows[0].dtype, rows[2].dtype)
@@ -224,10 +234,10 @@ def prepare(workspace: dict | None, runs, streamed: int, written: tuple[int, ...
     n_rows = len(entries[0][3])
     addresses = [e[3][k].data_ptr() for k in range(n_rows) for e in entries]
     return Step(device, len(entries), _table(workspace, addresses, device), layout, buckets,
-                [e[2] for e in entries], copies)
+                [e[2] for e in entries], staged)
 
 
-def _stage(rows: list[torch.Tensor], streamed: int, written: tuple[int, ...], copies) -> None:
+def _stage(rows: list[torch.Tensor], streamed: int, written: tuple[int, ...], staged) -> None:
     """Replace the streamed rows that are not laid out like a dense weight by dense
     copies (the weight's strides, or contiguous when the weight itself is not dense)."""
     w = rows[0]
@@ -236,7 +246,5 @@ def _stage(rows: list[torch.Tensor], streamed: int, written: tuple[int, ...], co
         x = rows[k]
         if x is like or fusable(like, x):
             continue
-        staged = torch.empty_like(like).copy_(x)
-        if k in written:
-            copies.append((x, staged))
-        rows[k] = staged
+        rows[k] = torch.empty_like(like).copy_(x)
+        staged.append((x, rows[k], k in written))

@@ -1,18 +1,17 @@
 """LAMB and LARS steps with the Triton kernels: the launches of one step, in order.
 
 Per step, whatever the number of tensors (a bucket is a param group's tensors
-of one dtype pair; usually one or two buckets):
+of one dtype pair: usually one or two buckets), two launches per bucket:
 
 - LAMB: [clipping: ``sum_squares`` per bucket, ``reduce_chunks``, one sum];
-  ``lamb_moments`` per bucket; ``reduce_chunks`` per bucket (norms, step + 1);
-  ``lamb_update`` per bucket.
-- LARS: ``lars_norms`` per adapted bucket; ``reduce_chunks`` per bucket
-  (norms, previous local_lr); ``lars_update`` per bucket.
+  ``lamb_moments`` (moments, partial norms) then ``lamb_update`` per bucket.
+- LARS: ``lars_norms`` (partial norms) then ``lars_update`` per bucket.
 
 DTensor parameters (FSDP2, tensor parallel): the kernels run on the local
-shards, and between the passes the per-tensor squared norms of all shards go
-through ``_norms.sum_over_shards`` together: one all-reduce per step (one more
-for LAMB's global clipping), as in the other kernels.
+shards; between the passes ``reduce_chunks`` sums every tensor's partial norms
+and ``_norms.sum_over_shards`` sums those over the mesh, for all tensors
+together: one all-reduce per step (one more for LAMB's global clipping), as
+in the other kernels.
 
 Nothing is read to the host and no Python branch depends on a tensor's value:
 the step can be captured in a CUDA graph.
@@ -42,38 +41,37 @@ def lamb_triton(runs, max_grad_norm: float | None, ratios: list | None,
     sizes = dict(CHUNK=plan.CHUNK, BLOCK=plan.BLOCK)
     total = lay.squares  # a placeholder pointer unless clipping
     if clip:
-        partials = lay.grad_partials()
-        squares = lay.scalars
+        partials, squares = lay.grad_partials(), lay.grad_squares()
         for b in step.buckets:
             plan.launch(k.sum_squares, b.chunks, *tables, partials, b.chunk0, 1,
                         W=k.dtype(b.weight_dtype), C=_compute(k, b), **sizes)
-        _reduce(k, step, partials, squares, K=1, mode=0)
+        plan.launch(k.reduce_chunks, step.n, partials, lay.first_chunk, squares, K=1,
+                    RBLOCK=plan.REDUCE_BLOCK)
         if step.sharded:
             sum_over_shards(squares, step.owners)
         total = squares.sum()
     for b in step.buckets:
         o = b.opts
         beta1, beta2 = o["betas"]
-        plan.launch(k.lamb_moments, b.chunks, *tables, lay.partials, b.chunk0, total,
-                    float(beta1), float(beta2), _log(beta1), _log(beta2), float(o["eps"]),
-                    float(o["weight_decay"]), float(max_grad_norm or 0.0),
+        plan.launch(k.lamb_moments, b.chunks, *tables, lay.partials, lay.scalars, b.chunk0,
+                    total, float(beta1), float(beta2), _log(beta1), _log(beta2),
+                    float(o["eps"]), float(o["weight_decay"]), float(max_grad_norm or 0.0),
                     W=k.dtype(b.weight_dtype), S=k.dtype(b.state_dtype), C=_compute(k, b),
                     BIAS=bool(o["bias_correction"]), NORMS=bool(o["adapt"]), CLIP=clip,
                     **sizes)
-    for b in step.buckets:
-        _reduce(k, step, lay.partials, lay.squares, K=2, mode=1, bucket=b)
-    _sum_norms_over_shards(step)
+    summed = _sum_norms_over_shards(k, step)
     out = _ratios(step, ratios)
     for b in step.buckets:
         o = b.opts
         beta1, beta2 = o["betas"]
         lr_ptr, lr_value, lr_is_ptr = _rate(o["lr"], step)
-        plan.launch(k.lamb_update, b.chunks, *tables, lay.squares, b.chunk0, lr_ptr, lr_value,
-                    _log(beta1), _log(beta2), float(o["eps"]), float(o["weight_decay"]),
-                    out, lay.positions, W=k.dtype(b.weight_dtype), S=k.dtype(b.state_dtype),
+        plan.launch(k.lamb_update, b.chunks, *tables, lay.first_chunk, lay.partials,
+                    lay.squares, lay.scalars, b.chunk0, lr_ptr, lr_value, _log(beta1),
+                    _log(beta2), float(o["eps"]), float(o["weight_decay"]), out,
+                    lay.positions, W=k.dtype(b.weight_dtype), S=k.dtype(b.state_dtype),
                     C=_compute(k, b), BIAS=bool(o["bias_correction"]), ADAPT=bool(o["adapt"]),
-                    TRUST_CLIP=bool(o["trust_clip"]), LR_PTR=lr_is_ptr,
-                    TRACK=ratios is not None, **sizes)
+                    TRUST_CLIP=bool(o["trust_clip"]), SUMMED=summed, LR_PTR=lr_is_ptr,
+                    TRACK=ratios is not None, RBLOCK=plan.REDUCE_BLOCK, **sizes)
     step.copy_back()
 
 
@@ -86,39 +84,35 @@ def lars_triton(runs, ratios: list | None, workspace: dict | None) -> None:
     tables = (step.ptrs, step.n, lay.chunk_tensor, lay.chunk_start, lay.numel)
     sizes = dict(CHUNK=plan.CHUNK, BLOCK=plan.BLOCK)
     for b in step.buckets:
-        if b.opts["adapt"]:
-            plan.launch(k.lars_norms, b.chunks, *tables, lay.partials, b.chunk0,
-                        W=k.dtype(b.weight_dtype), C=_compute(k, b), **sizes)
-    for b in step.buckets:
-        _reduce(k, step, lay.partials, lay.squares, K=2, mode=2, bucket=b)
-    _sum_norms_over_shards(step)
+        plan.launch(k.lars_norms, b.chunks, *tables, lay.partials, lay.scalars, b.chunk0,
+                    W=k.dtype(b.weight_dtype), S=k.dtype(b.state_dtype), C=_compute(k, b),
+                    NORMS=bool(b.opts["adapt"]), **sizes)
+    summed = _sum_norms_over_shards(k, step)
     out = _ratios(step, ratios)
     for b in step.buckets:
         o = b.opts
         lr_ptr, lr_value, lr_is_ptr = _rate(o["lr"], step)
-        plan.launch(k.lars_update, b.chunks, *tables, lay.squares, b.chunk0, lay.scalars,
-                    lr_ptr, lr_value, float(o["momentum"]), float(o["weight_decay"]),
-                    float(o["trust_coefficient"]), float(o["eps"]), out, lay.positions,
-                    W=k.dtype(b.weight_dtype), S=k.dtype(b.state_dtype), C=_compute(k, b),
-                    ADAPT=bool(o["adapt"]), TRUST_CLIP=bool(o["trust_clip"]),
-                    NESTEROV=bool(o["nesterov"]), LR_PTR=lr_is_ptr,
-                    TRACK=ratios is not None, **sizes)
+        plan.launch(k.lars_update, b.chunks, *tables, lay.first_chunk, lay.partials,
+                    lay.squares, lay.scalars, b.chunk0, lr_ptr, lr_value, float(o["momentum"]),
+                    float(o["weight_decay"]), float(o["trust_coefficient"]), float(o["eps"]),
+                    out, lay.positions, W=k.dtype(b.weight_dtype), S=k.dtype(b.state_dtype),
+                    C=_compute(k, b), ADAPT=bool(o["adapt"]), TRUST_CLIP=bool(o["trust_clip"]),
+                    NESTEROV=bool(o["nesterov"]), SUMMED=summed, LR_PTR=lr_is_ptr,
+                    TRACK=ratios is not None, RBLOCK=plan.REDUCE_BLOCK, **sizes)
     step.copy_back()
 
 
-def _reduce(k, step: plan.Step, partials, squares, K: int, mode: int, bucket=None) -> None:
-    """``reduce_chunks`` over one bucket's tensors (all tensors when ``bucket`` is None)."""
-    first, count = (0, step.n) if bucket is None else (bucket.first, bucket.count)
-    state = k.dtype(bucket.state_dtype) if bucket is not None else k.dtype(torch.float32)
-    plan.launch(k.reduce_chunks, count, partials, step.layout.first_chunk, squares, step.ptrs,
-                step.n, first, step.layout.scalars, 4 if mode == 1 else 3, K=K, MODE=mode,
-                S=state, BLOCK=plan.REDUCE_BLOCK)
-
-
-def _sum_norms_over_shards(step: plan.Step) -> None:
-    """DTensor shards: every tensor's two squared norms summed over its mesh, in one call."""
-    if step.sharded:
-        sum_over_shards(step.layout.squares, [w for w in step.owners for _ in range(2)])
+def _sum_norms_over_shards(k, step: plan.Step) -> bool:
+    """DTensor shards: every tensor's two squared norms summed over its chunks
+    (``reduce_chunks``), then over its mesh, all in one call; returns whether the
+    second pass should read them from ``squares`` (else it sums the chunks itself)."""
+    if not step.sharded:
+        return False
+    lay = step.layout
+    plan.launch(k.reduce_chunks, step.n, lay.partials, lay.first_chunk, lay.squares, K=2,
+                RBLOCK=plan.REDUCE_BLOCK)
+    sum_over_shards(lay.squares, [w for w in step.owners for _ in range(2)])
+    return True
 
 
 def _ratios(step: plan.Step, ratios: list | None) -> torch.Tensor:

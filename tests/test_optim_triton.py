@@ -1,0 +1,314 @@
+"""The Triton kernels of LARS and LAMB, run on CPU tensors by Triton's interpreter.
+
+They equal the float64 reference on every option, memory layout and odd size
+(float64 runs through the interpreter, so the tolerances are those of
+``test_optim_kernels``), keep float32 state for bfloat16 parameters, take a
+tensor learning rate, repeat bit for bit, launch as often for 40 tensors as
+for 4, and give the single-process result on DTensor shards with one
+all-reduce per step.
+
+``TRITON_INTERPRET=1`` holds for this module only: ``_triton_plan.kernels``
+loads one module instance per mode, so compiled CUDA tests in the same
+process are unaffected. The interpreter runs each program as Python (about
+0.1 s for a step of a few tiny tensors): sizes stay tiny, and the chunk and
+block sizes are shrunk so that tensors still span several chunks and a
+chunk several blocks. Skipped where Triton is not installed.
+"""
+
+import io
+import os
+
+import pytest
+import torch
+from test_optim_kernels import (
+    LAYOUT_CONFIGS,
+    LAYOUTS,
+    LRS,
+    OPTION_CONFIGS,
+    assert_same,
+    config_id,
+    grads_like,
+    make_layout,
+    mixed_params,
+    named_params,
+    run,
+    set_grad,
+)
+
+from bigbatch.optim import LAMB, LARS, _triton_plan
+from bigbatch.optim.lamb import lamb
+from bigbatch.optim.lars import lars
+
+pytest.importorskip("triton")
+
+F64 = torch.float64
+# Chunks of 16 elements in vectors of 8: named_params' 20-element weight spans two
+# chunks, and every chunk of 9 or more elements loops twice.
+SIZES = dict(CHUNK=16, BLOCK=8, REDUCE_BLOCK=4)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter(one_thread):
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in SIZES.items():
+            mp.setattr(_triton_plan, name, value)
+        yield
+    if saved is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = saved
+
+
+@pytest.mark.parametrize("cls,kw", OPTION_CONFIGS, ids=config_id)
+def test_every_option_matches_reference(cls, kw):
+    """Weights, excluded biases, a zero-initialised weight, zero gradients; lr from 0."""
+    ref = run(cls, kw, "reference")
+    fast = run(cls, kw, "triton")
+    assert_same(ref[0], ref[1], fast[0], fast[1])
+    for a, b in zip(ref[2], fast[2], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-15)
+
+
+@pytest.mark.parametrize("grad_layout", ["like_param", "contiguous"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("cls,kw", LAYOUT_CONFIGS[1:], ids=["LARS-nesterov", "LAMB"])
+def test_every_layout_matches_reference(cls, kw, layout, grad_layout):
+    """Transposed and channels_last weights are walked in memory order; a non-dense
+    weight, or a gradient laid out unlike its weight, is staged and copied back."""
+    runs = []
+    for kernel in ("reference", "triton"):
+        p = make_layout(layout)
+        strides = p.stride()
+        opt = cls([p], kernel=kernel, **kw)
+        for t in range(3):
+            set_grad(p, grads_like([p], t)[0], grad_layout)
+            opt.step()
+        assert p.stride() == strides
+        runs.append((p.detach().clone(), opt.state[p]))
+    (ref, ref_state), (fast, fast_state) = runs
+    torch.testing.assert_close(fast, ref, rtol=1e-12, atol=1e-15)
+    for key, value in ref_state.items():
+        torch.testing.assert_close(fast_state[key], value, rtol=1e-11, atol=1e-15)
+
+
+@pytest.mark.parametrize("cls,kw", [LAYOUT_CONFIGS[1], OPTION_CONFIGS[7], OPTION_CONFIGS[-1]],
+                         ids=["LARS-nesterov", "LAMB-clip", "LAMB-trust-clip"])
+def test_odd_sizes_in_one_step_match_reference(cls, kw, monkeypatch):
+    """Nine tensors at once: sizes 5 to 450 (one chunk, many chunks, a ragged last
+    chunk), transposed, channels_last, a non-dense view, a zero weight."""
+    monkeypatch.setattr(_triton_plan, "CHUNK", 64)
+    monkeypatch.setattr(_triton_plan, "BLOCK", 16)
+    runs = []
+    for kernel in ("reference", "triton"):
+        params = mixed_params()
+        opt = cls(params, kernel=kernel, **kw)
+        opt.track_trust_ratios = True
+        for t in range(2):
+            for p, grad in zip(params, grads_like(params, t), strict=True):
+                set_grad(p, grad, "like_param")
+            opt.step()
+        runs.append((params, opt.trust_ratios()))
+    (ref, ref_ratios), (fast, fast_ratios) = runs
+    for i, (a, b, start) in enumerate(zip(ref, fast, mixed_params(), strict=True)):
+        assert b.stride() == start.stride(), i
+        torch.testing.assert_close(b - start, a - start, rtol=1e-12, atol=1e-15, msg=str(i))
+    torch.testing.assert_close(fast_ratios, ref_ratios, rtol=1e-10, atol=1e-15)
+
+
+@pytest.mark.parametrize("cls,kw", [OPTION_CONFIGS[1], OPTION_CONFIGS[7]], ids=config_id)
+def test_bfloat16_parameters_keep_float32_state(cls, kw):
+    """bfloat16 weights and gradients, float32 state: each step equals the float64
+    reference step from the same bfloat16 weights, rounded to bfloat16, within one
+    rounding (float32 arithmetic can land on the other side of a rounding boundary)."""
+    named = [(n, torch.nn.Parameter(p.detach().bfloat16())) for n, p in named_params()]
+    opt = cls(named, exclude=("bias",), kernel="triton", **kw)
+    ref_named = [(n, torch.nn.Parameter(p.detach().double())) for n, p in named]
+    ref_opt = cls(ref_named, exclude=("bias",), kernel="reference", **kw)
+    for t in range(3):
+        for o in (opt, ref_opt):
+            for group in o.param_groups:
+                group["lr"] = kw["lr"] * LRS[2 + t]
+        grads = grads_like([p for _, p in named_params()], t)
+        for (name, p), (_, q), g in zip(named, ref_named, grads, strict=True):
+            g = (torch.zeros_like(g) if name.startswith("frozen") else g).bfloat16()
+            p.grad, q.grad = g, g.double()
+        opt.step()
+        ref_opt.step()
+        with torch.no_grad():
+            for (name, p), (_, q) in zip(named, ref_named, strict=True):
+                expected = q.bfloat16()
+                torch.testing.assert_close(p, expected, rtol=2**-7, atol=0, msg=name)
+                q.copy_(p)  # the next step starts from the same weights
+    for _, p in named:
+        for value in opt.state[p].values():
+            if value.ndim:
+                assert value.dtype == torch.float32
+
+
+@pytest.mark.parametrize("cls,kw", [OPTION_CONFIGS[1], OPTION_CONFIGS[7]], ids=config_id)
+def test_tensor_lr_gives_the_float_lr_bits(cls, kw):
+    named = named_params()
+    opt = cls(named, exclude=("bias",), kernel="triton",
+              **{**kw, "lr": torch.tensor(kw["lr"], dtype=F64)})
+    tensor_run = run(cls, kw, "triton", steps=4, named=named, opt=opt)
+    float_run = run(cls, kw, "triton", steps=4)
+    for (name, p), (_, q) in zip(float_run[0], tensor_run[0], strict=True):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("cls,kw", [OPTION_CONFIGS[1], OPTION_CONFIGS[7]], ids=config_id)
+def test_two_runs_are_bitwise_identical(cls, kw):
+    first = run(cls, kw, "triton", steps=3)
+    second = run(cls, kw, "triton", steps=3)
+    for (name, p), (_, q) in zip(first[0], second[0], strict=True):
+        assert torch.equal(p, q), name
+        for key, value in first[1].state[p].items():
+            assert torch.equal(second[1].state[q][key], value), (name, key)
+
+
+@pytest.mark.parametrize("cls,kw", [OPTION_CONFIGS[0], OPTION_CONFIGS[6]], ids=config_id)
+def test_launches_do_not_grow_with_the_tensor_count(cls, kw, monkeypatch):
+    counts = []
+    for n in (2, 20):
+        named = [(f"w{i}", torch.nn.Parameter(torch.randn(3, 2, dtype=F64))) for i in range(n)]
+        named += [(f"b{i}", torch.nn.Parameter(torch.randn(3, dtype=F64))) for i in range(n)]
+        opt = cls(named, exclude=("b",), kernel="triton", **kw)
+        for _, p in named:
+            p.grad = torch.randn_like(p)
+        calls = []
+        launch = _triton_plan.launch
+
+        def counted(*args, calls=calls, launch=launch, **kwargs):
+            calls.append(args[0])
+            launch(*args, **kwargs)
+
+        monkeypatch.setattr(_triton_plan, "launch", counted)
+        opt.step()
+        monkeypatch.setattr(_triton_plan, "launch", launch)
+        counts.append(len(calls))
+    assert counts[0] == counts[1] == 4, counts  # two passes, two groups
+
+
+@pytest.mark.parametrize("cls,kw", [OPTION_CONFIGS[1], OPTION_CONFIGS[7]], ids=config_id)
+def test_state_dict_round_trip_continues_identically(cls, kw):
+    whole = run(cls, kw, "triton", steps=4)
+    named, opt, _ = run(cls, kw, "triton", steps=2)
+    buf = io.BytesIO()
+    torch.save({"params": [p.detach().clone() for _, p in named], "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    named2 = named_params()
+    with torch.no_grad():
+        for (_, p), value in zip(named2, saved["params"], strict=True):
+            p.copy_(value)
+    opt2 = cls(named2, exclude=("bias",), kernel="triton", **kw)
+    opt2.load_state_dict(saved["opt"])
+    for t in range(2, 4):
+        for group in opt2.param_groups:
+            group["lr"] = kw["lr"] * LRS[t]
+        for (name, p), g in zip(named2, grads_like([p for _, p in named2], t), strict=True):
+            p.grad = torch.zeros_like(p) if name.startswith("frozen") else g
+        opt2.step()
+    for (name, p), (_, q) in zip(whole[0], named2, strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_functional_form_equals_the_class():
+    """``lamb()`` / ``lars()`` with one group's keywords take the class's step."""
+    for cls, fn, kw, state in (
+        (LAMB, lamb, dict(lr=0.05, weight_decay=0.01), lambda w: (torch.zeros(()), torch.zeros_like(w),
+                                                                 torch.zeros_like(w))),
+        (LARS, lars, dict(lr=0.5, trust_coefficient=0.05, weight_decay=1e-2),
+         lambda w: (torch.zeros_like(w), torch.zeros((), dtype=w.dtype))),
+    ):
+        params = [p for _, p in named_params()][:1]
+        opt = cls(params, kernel="triton", **kw)
+        ws = [p.detach().clone() for p in params]
+        states = [state(w) for w in ws]
+        for t in range(2):
+            grads = grads_like(params, t)
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            opt.step()
+            fn(ws, grads, states, kernel="triton", **kw)
+        assert torch.equal(ws[0], params[0].detach()), cls.__name__
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    p = torch.nn.Parameter(torch.ones(3, dtype=F64))
+    p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        LAMB([p], kernel="triton").step()
+    assert LAMB([p])._choose_kernel([p]) == "per_tensor"  # auto never picks it on CPU
+
+
+def _dtensor_cases(families, picks, dtypes, steps):
+    """Runs in each gloo worker: ``test_optim_dist``'s cases at ``picks``, Triton kernel."""
+    from test_optim_dist import _worker
+
+    return {family: _worker(family, ("triton",), SIZES, dtypes, picks, steps)
+            for family in families}
+
+
+@pytest.mark.parametrize("cls,kw", [OPTION_CONFIGS[1], OPTION_CONFIGS[7]], ids=config_id)
+def test_dtensor_shards_take_the_plain_bits_and_one_all_reduce(cls, kw, tmp_path):
+    """DTensor parameters (Shard(0) on a one-rank gloo mesh, in this process): the
+    shards' norms go through ``reduce_chunks`` and one all-reduce per step (one more
+    for LAMB's clipping), and the weights come out bit for bit as plain tensors'."""
+    import torch.distributed as dist
+    from _dist import CountCalls
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        plain = named_params()
+        sharded = [(n, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])))
+                   for n, p in named_params()]
+        opts = [cls(named, exclude=("bias",), kernel="triton", **kw) for named in (plain, sharded)]
+        counts = []
+        for t in range(3):
+            grads = grads_like([p for _, p in plain], t)
+            for (name, p), (_, q), g in zip(plain, sharded, grads, strict=True):
+                g = torch.zeros_like(g) if name.startswith("frozen") else g
+                p.grad, q.grad = g, distribute_tensor(g, mesh, [Shard(0)])
+            opts[0].step()
+            with CountCalls(("all_reduce",)) as c:
+                opts[1].step()
+            counts.append(c.calls)
+        for (name, p), (_, q) in zip(plain, sharded, strict=True):
+            assert torch.equal(q.full_tensor(), p), name
+        assert counts == [1 + (kw.get("max_grad_norm") is not None)] * 3
+    finally:
+        dist.destroy_process_group()
+
+
+def _dtensor_cases(families, picks, dtypes, steps):
+    """Runs in each gloo worker: ``test_optim_dist``'s cases at ``picks``, Triton kernel."""
+    from test_optim_dist import _worker
+
+    return {family: _worker(family, ("triton",), SIZES, dtypes, picks, steps)
+            for family in families}
+
+
+@pytest.mark.slow
+def test_dtensor_shards_on_two_ranks_equal_single_process():
+    """FSDP2 and tensor-parallel DTensors on 2 gloo ranks, every case of
+    ``test_optim_dist`` in float64 and float32: the Triton kernel on the local shards
+    equals the single-process run, with one all-reduce of all squared norms per step
+    (one more for LAMB's clipping). Slow: ~20 s a family through the interpreter."""
+    from _dist import run_workers
+    from test_optim_dist import check_equal_single_process, check_one_all_reduce_per_step
+
+    families = ("LARS", "LAMB")
+    per_rank = run_workers(_dtensor_cases, world_size=2, timeout=480, init_group=True,
+                           args=(families, None, (F64, torch.float32), 10))
+    for family in families:
+        results = [r[family] for r in per_rank]
+        check_equal_single_process(family, results)
+        check_one_all_reduce_per_step(family, results)
