@@ -18,7 +18,7 @@ timeout "${BENCH_S:-150}" $py benchmarks/optim_step.py --device cuda --model res
 timeout "${BENCH_S:-150}" $py benchmarks/optim_step.py --device cuda --model bert-large \
     --rounds 20 >"$OUT/optim_bert_large.txt" 2>&1
 if [ -n "${TRAIN:-}" ]; then
-    timeout 120 $py -m bigbatch train --nproc 1 --epochs 4 --out "$OUT/train" --overwrite \
+    timeout "${TRAIN_S:-120}" $py -m bigbatch train --nproc 1 --epochs 4 --out "$OUT/train" --overwrite \
         >"$OUT/train.txt" 2>&1
     echo "main job: $(tail -n 2 "$OUT/train.txt" | tr '\n' ' ')"
 fi
