@@ -312,3 +312,56 @@ def test_dtensor_shards_on_two_ranks_equal_single_process():
         results = [r[family] for r in per_rank]
         check_equal_single_process(family, results)
         check_one_all_reduce_per_step(family, results)
+
+
+# ------------------------------------------- compiled for a GPU, on a machine without one
+
+_ARGS = {  # the kernels' non-constexpr arguments, as the steps pass them
+    "*i64": ("ptrs", "chunk_tensor", "chunk_start", "numel", "first_chunk", "positions"),
+    "*fp64": ("partials", "scalars", "total", "squares", "lr_ptr", "ratios", "out"),
+    "i32": ("n_tensors", "chunk0", "role"),
+    "fp64": ("lr_value", "beta1", "beta2", "log_beta1", "log_beta2", "eps", "weight_decay",
+             "max_norm", "momentum", "coeff"),
+}
+
+
+def _compile(kernel, **constexprs):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    types = {name: ty for ty, names in _ARGS.items() for name in names}
+    signature = {a: "constexpr" if a in constexprs else types[a] for a in kernel.arg_names}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def test_kernels_compile_for_sm90_with_16_byte_accesses():
+    """Triton compiles every kernel to a cubin here (ptxas ships with it): the compiled
+    path, which the interpreter does not exercise, has no type or lowering error; with
+    aligned tensors (ALIGN) the float32 loads and stores move 16 bytes each."""
+    import re
+
+    k = _triton_plan.kernels(torch.device("cuda"))
+    tl = k.tl
+    f32 = dict(W=tl.float32, S=tl.float32, C=tl.float32)
+    sizes = dict(CHUNK=1 << 14, BLOCK=1024, ALIGN=4)
+    built = [
+        _compile(k.lamb_moments, **f32, BIAS=True, NORMS=True, CLIP=True, **sizes),
+        _compile(k.lamb_update, **f32, BIAS=True, ADAPT=True, TRUST_CLIP=True, SUMMED=False,
+                 LR_PTR=True, RBLOCK=256, **sizes),
+        _compile(k.lars_norms, **f32, NORMS=True, **sizes),
+        _compile(k.lars_update, **f32, ADAPT=True, TRUST_CLIP=False, NESTEROV=True,
+                 SUMMED=True, LR_PTR=False, RBLOCK=256, **sizes),
+        _compile(k.sum_squares, W=tl.float32, C=tl.float32, **sizes),
+        _compile(k.reduce_chunks, K=2, RBLOCK=256),
+        _compile(k.lamb_update, W=tl.bfloat16, S=tl.float32, C=tl.float32, BIAS=False,
+                 ADAPT=False, TRUST_CLIP=False, SUMMED=False, LR_PTR=False, RBLOCK=256,
+                 **{**sizes, "ALIGN": 8}),
+        _compile(k.lars_update, W=tl.float64, S=tl.float64, C=tl.float64, ADAPT=True,
+                 TRUST_CLIP=True, NESTEROV=False, SUMMED=False, LR_PTR=True, RBLOCK=256,
+                 **{**sizes, "ALIGN": 1}),
+    ]
+    for compiled, stores in zip(built[:4], (True, True, False, True), strict=True):
+        ptx = compiled.asm["ptx"]
+        assert re.search(r"ld\.global\.v4\.b32", ptx), compiled.name
+        assert bool(re.search(r"st\.global\.v4\.b32", ptx)) == stores, compiled.name

@@ -106,6 +106,7 @@ class Layout:
     partials: torch.Tensor       # [2C] per-chunk sums of squares
     squares: torch.Tensor        # [2T] per-tensor sums of squares
     scalars: torch.Tensor        # [T] a float64 per tensor, from the first pass to the second
+    ratios: torch.Tensor         # [T] trust ratios nobody asked for
     host: list[torch.Tensor] = field(default_factory=list)
     _grad_partials: torch.Tensor | None = None
     _grad_squares: torch.Tensor | None = None
@@ -123,7 +124,7 @@ class Layout:
         f64 = dict(dtype=torch.float64, device=device)
         return cls(*arrays, starts, torch.zeros(2 * starts[-1], **f64),
                    torch.zeros(2 * len(numels), **f64), torch.zeros(len(numels), **f64),
-                   list(host))
+                   torch.zeros(len(numels), **f64), list(host))
 
     def grad_partials(self) -> torch.Tensor:
         """[C] per-chunk sums of squares of the gradients (for clipping)."""
@@ -149,6 +150,10 @@ class Bucket:
     count: int
     chunk0: int = 0     # first chunk
     chunks: int = 0
+    # Elements per 16 bytes of the narrower dtype when every address is 16-byte
+    # aligned and every size a multiple of it (the kernels then load 16 bytes at a
+    # time); else 1.
+    align: int = 1
 
 
 @dataclass
@@ -233,8 +238,23 @@ def prepare(workspace: dict | None, runs, streamed: int, written: tuple[int, ...
         b.chunks = layout.starts[b.first + b.count] - b.chunk0
     n_rows = len(entries[0][3])
     addresses = [e[3][k].data_ptr() for k in range(n_rows) for e in entries]
+    for b in buckets:
+        b.align = _alignment(b, entries, addresses, streamed, len(entries))
     return Step(device, len(entries), _table(workspace, addresses, device), layout, buckets,
                 [e[2] for e in entries], staged)
+
+
+def _alignment(b: Bucket, entries, addresses: list[int], streamed: int, n: int) -> int:
+    """``Bucket.align`` for ``b``: 16 bytes' worth of its narrower dtype, if all its
+    streamed addresses are 16-byte aligned and all its sizes a multiple of that."""
+    itemsize = min(b.weight_dtype.itemsize, b.state_dtype.itemsize)
+    align = 16 // itemsize
+    tensors = range(b.first, b.first + b.count)
+    if any(entries[t][3][0].numel() % align for t in tensors):
+        return 1
+    if any(addresses[k * n + t] % 16 for k in range(streamed) for t in tensors):
+        return 1
+    return align
 
 
 def _stage(rows: list[torch.Tensor], streamed: int, written: tuple[int, ...], staged) -> None:

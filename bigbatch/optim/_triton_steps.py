@@ -44,7 +44,7 @@ def lamb_triton(runs, max_grad_norm: float | None, ratios: list | None,
         partials, squares = lay.grad_partials(), lay.grad_squares()
         for b in step.buckets:
             plan.launch(k.sum_squares, b.chunks, *tables, partials, b.chunk0, 1,
-                        W=k.dtype(b.weight_dtype), C=_compute(k, b), **sizes)
+                        W=k.dtype(b.weight_dtype), C=_compute(k, b), ALIGN=b.align, **sizes)
         plan.launch(k.reduce_chunks, step.n, partials, lay.first_chunk, squares, K=1,
                     RBLOCK=plan.REDUCE_BLOCK)
         if step.sharded:
@@ -58,7 +58,7 @@ def lamb_triton(runs, max_grad_norm: float | None, ratios: list | None,
                     float(o["eps"]), float(o["weight_decay"]), float(max_grad_norm or 0.0),
                     W=k.dtype(b.weight_dtype), S=k.dtype(b.state_dtype), C=_compute(k, b),
                     BIAS=bool(o["bias_correction"]), NORMS=bool(o["adapt"]), CLIP=clip,
-                    **sizes)
+                    ALIGN=b.align, **sizes)
     summed = _sum_norms_over_shards(k, step)
     out = _ratios(step, ratios)
     for b in step.buckets:
@@ -71,7 +71,7 @@ def lamb_triton(runs, max_grad_norm: float | None, ratios: list | None,
                     lay.positions, W=k.dtype(b.weight_dtype), S=k.dtype(b.state_dtype),
                     C=_compute(k, b), BIAS=bool(o["bias_correction"]), ADAPT=bool(o["adapt"]),
                     TRUST_CLIP=bool(o["trust_clip"]), SUMMED=summed, LR_PTR=lr_is_ptr,
-                    TRACK=ratios is not None, RBLOCK=plan.REDUCE_BLOCK, **sizes)
+                    RBLOCK=plan.REDUCE_BLOCK, **sizes, ALIGN=b.align)
     step.copy_back()
 
 
@@ -86,7 +86,7 @@ def lars_triton(runs, ratios: list | None, workspace: dict | None) -> None:
     for b in step.buckets:
         plan.launch(k.lars_norms, b.chunks, *tables, lay.partials, lay.scalars, b.chunk0,
                     W=k.dtype(b.weight_dtype), S=k.dtype(b.state_dtype), C=_compute(k, b),
-                    NORMS=bool(b.opts["adapt"]), **sizes)
+                    NORMS=bool(b.opts["adapt"]), ALIGN=b.align, **sizes)
     summed = _sum_norms_over_shards(k, step)
     out = _ratios(step, ratios)
     for b in step.buckets:
@@ -98,7 +98,7 @@ def lars_triton(runs, ratios: list | None, workspace: dict | None) -> None:
                     out, lay.positions, W=k.dtype(b.weight_dtype), S=k.dtype(b.state_dtype),
                     C=_compute(k, b), ADAPT=bool(o["adapt"]), TRUST_CLIP=bool(o["trust_clip"]),
                     NESTEROV=bool(o["nesterov"]), SUMMED=summed, LR_PTR=lr_is_ptr,
-                    TRACK=ratios is not None, RBLOCK=plan.REDUCE_BLOCK, **sizes)
+                    RBLOCK=plan.REDUCE_BLOCK, **sizes, ALIGN=b.align)
     step.copy_back()
 
 
@@ -117,9 +117,9 @@ def _sum_norms_over_shards(k, step: plan.Step) -> bool:
 
 def _ratios(step: plan.Step, ratios: list | None) -> torch.Tensor:
     """Where the trust ratios go: a fresh tensor appended to ``ratios`` (in the callers'
-    order), or a placeholder the kernels never write."""
+    order), or the layout's buffer when nobody reads them."""
     if ratios is None:
-        return step.layout.squares
+        return step.layout.ratios
     out = torch.empty(step.n, dtype=torch.float64, device=step.device)
     ratios.append(out)
     return out
