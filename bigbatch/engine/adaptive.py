@@ -41,7 +41,6 @@ if TYPE_CHECKING:
     from bigbatch.engine.clock import ScheduleClock
     from bigbatch.engine.grad_info import GradInfo
     from bigbatch.engine.merge import MergeWindow
-    from bigbatch.engine.run import Run
 
 __all__ = ["Adaptive", "attach", "check", "schedule_steps"]
 
@@ -244,7 +243,7 @@ class Adaptive:
                                           "trace": est.trace, "small_batch": small_b,
                                           "big_batch": big_b})
 
-    def on_step(self, run: Run) -> None:
+    def on_step(self, run: Any) -> None:
         """Goodput's step (the ``goodput`` policy's `after_step`): record the step time;
         every `interval_steps`, decide."""
         if self.measure_step_time:
@@ -343,7 +342,7 @@ class Adaptive:
         self._warm = 1
 
 
-def attach(run: Run) -> Adaptive:
+def attach(run: Any) -> Adaptive:
     """Build the controller for `run.strategy.adaptive` and register its hooks on `run`
     (goodput's step runs as the ``goodput`` policy, `bigbatch.engine.policies`)."""
     ctl = Adaptive(run.strategy, run.optimizer, run.world, run.clock, run.window, run.batch)

@@ -9,15 +9,12 @@ one from the reduced gradients. No gradient is copied or sent twice.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from bigbatch.optim._norms import global_norm, is_dtensor
 from bigbatch.parallel.world import all_reduce_sum
-
-if TYPE_CHECKING:
-    from bigbatch.engine.merge import MergeWindow
 
 __all__ = ["GradInfo", "grad_info", "small_batch_sq_norm", "sq_norm"]
 
@@ -96,7 +93,7 @@ class GradInfo:
         return self._global_sq
 
 
-def grad_info(step: int, params: list[torch.Tensor], window: MergeWindow, scale: float,
+def grad_info(step: int, params: list[torch.Tensor], window: Any, scale: float,
               data_degree: int, local_raw: torch.Tensor | None, local_count: Any,
               total_count: Any) -> GradInfo:
     """This step's `GradInfo` from the window's and the comm hook's small-batch norms
@@ -106,7 +103,7 @@ def grad_info(step: int, params: list[torch.Tensor], window: MergeWindow, scale:
     return GradInfo(step, params, local_sq, local_batch, global_batch, pending)
 
 
-def small_batch_sq_norm(window: MergeWindow, scale: float, data_degree: int,
+def small_batch_sq_norm(window: Any, scale: float, data_degree: int,
                         local_raw: torch.Tensor | None, local_count: Any,
                         total_count: Any) -> tuple[torch.Tensor | None, float | None, float,
                                                    tuple[Any, float] | None]:

@@ -46,7 +46,6 @@ if TYPE_CHECKING:
     from bigbatch.engine.clock import ScheduleClock
     from bigbatch.engine.grad_info import GradInfo
     from bigbatch.engine.merge import MergeWindow
-    from bigbatch.engine.run import Run
 
 __all__ = ["KFAC", "attach_kfac"]
 
@@ -338,7 +337,7 @@ def _all_reduce_symmetric(sums: list[list[torch.Tensor]], group: Any) -> None:
         rows.copy_(prow)
 
 
-def attach_kfac(run: Run) -> KFAC:
+def attach_kfac(run: Any) -> KFAC:
     """Build the `KFAC` of `run.strategy.kfac` and register it on `run` (a grad hook after
     the `[adaptive]` one, so gradient statistics see the gradients K-FAC started from)."""
     kfac = KFAC(run.module, run.strategy.kfac, clock=run.clock, window=run.window,

@@ -56,9 +56,11 @@ def preconditioned_grads(optimizer: torch.optim.Optimizer, params: Sequence[torc
     device = vs[0].device
     if all(isinstance(t, torch.Tensor) for t in steps):  # may live on the GPU: never read them
         step = torch.stack([t.reshape(()) for t in steps]).to(device, torch.float64)
-    else:
-        step = torch.tensor([float(t) for t in steps], dtype=torch.float64, device=device)
-    bc2 = 1.0 - torch.tensor(betas, dtype=torch.float64, device=device) ** step
+    else:  # host numbers: one asynchronous copy (a blocking one is a host sync on CUDA)
+        step = torch.tensor([float(t) for t in steps], dtype=torch.float64).to(
+            device, non_blocking=True)
+    beta2 = torch.tensor(betas, dtype=torch.float64).to(device, non_blocking=True)
+    bc2 = 1.0 - beta2 ** step
     roots = torch.where(bc2 > 0, bc2.clamp_min(0).sqrt(), 1.0)
     denom = torch._foreach_sqrt(vs)
     torch._foreach_div_(denom, list(roots.unbind()))

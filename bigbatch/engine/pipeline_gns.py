@@ -43,7 +43,7 @@ the tracker through `GradInfo` (`local_sq_norm`, `big_sq_norm`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,9 +51,6 @@ import torch.distributed as dist
 from bigbatch.engine.grad_info import GradInfo
 from bigbatch.engine.local_norms import param_group_of, preconditioned_grads, tensor_sq_norms
 from bigbatch.errors import ConfigError
-
-if TYPE_CHECKING:
-    from bigbatch.engine.run import Run
 
 __all__ = ["PipelineNorms", "check_measurable"]
 
@@ -77,7 +74,7 @@ class PipelineNorms:
     `bigbatch.engine.adaptive.Adaptive` measures them elsewhere.
     """
 
-    def __init__(self, run: Run, preconditioned: bool) -> None:
+    def __init__(self, run: Any, preconditioned: bool) -> None:
         check_measurable(run.pipeline)
         pipe = run.pipeline
         self.preconditioned = preconditioned

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 
@@ -34,9 +34,6 @@ from bigbatch.adaptive.policy import Policy
 from bigbatch.engine.adaptive import MAX_BATCH_FACTOR
 from bigbatch.errors import ConfigError, PolicyError, PolicyStop
 from bigbatch.parallel.world import is_peer_failure
-
-if TYPE_CHECKING:
-    from bigbatch.engine.run import Run
 
 __all__ = ["GoodputPolicy", "NoiseScaleDoublingPolicy", "Policies", "attach", "load_policy"]
 
@@ -362,7 +359,7 @@ class BoundPolicies:
         self._policies.after_train(self._run)
 
 
-def attach(run: Run, given: list[Any] | None = None) -> Policies:
+def attach(run: Any, given: list[Any] | None = None) -> Policies:
     """Build `run.policies` from ``[adaptive] policies`` (goodput also from ``batch_size``)
     and `given` (Policy objects); register the step hook and the state; run `setup`."""
     a = run.strategy.adaptive

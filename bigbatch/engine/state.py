@@ -14,7 +14,6 @@ from bigbatch.parallel.world import gather
 
 if TYPE_CHECKING:
     from bigbatch.engine.clock import ScheduleClock
-    from bigbatch.engine.run import Run
 
 
 def stats(clock: ScheduleClock, scaler: Any, grad_norm: torch.Tensor | None,
@@ -61,7 +60,7 @@ def optimizer_state(optimizer: torch.optim.Optimizer, world: Any,
     return optimizer.state_dict()
 
 
-def state_dict(run: Run, comm: Any) -> dict[str, Any]:
+def state_dict(run: Any, comm: Any) -> dict[str, Any]:
     """`Run.state_dict()`: each part's state, in the checkpoint's flat layout."""
     window = run.window.state_dict()
     state: dict[str, Any] = {
@@ -83,7 +82,7 @@ def state_dict(run: Run, comm: Any) -> dict[str, Any]:
     return state
 
 
-def load_state_dict(run: Run, state: dict[str, Any], comm: Any) -> None:
+def load_state_dict(run: Any, state: dict[str, Any], comm: Any) -> None:
     """`Run.load_state_dict()`: helpers first, then the elastic batch plan, then counters."""
     for name, sub in state.get("extra", {}).items():
         if name in run.state_objects:

@@ -23,10 +23,7 @@ split is not measured (CPU and gloo only).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from bigbatch.engine.run import Run
+from typing import Any
 
 __all__ = ["StepTiming"]
 
@@ -45,7 +42,7 @@ class StepTiming:
         self._last_end: float | None = None
         self._handles: list[Any] = []
 
-    def install(self, run: Run) -> None:
+    def install(self, run: Any) -> None:
         """Hook into `run`'s model (DDP only: without it no worker waits for another)."""
         run.timing = self
         ddp = run.model if run.model is not run.module else None
