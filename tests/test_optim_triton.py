@@ -26,6 +26,7 @@ from test_optim_kernels import (
     LRS,
     OPTION_CONFIGS,
     assert_same,
+    bf16_against_reference,
     config_id,
     grads_like,
     make_layout,
@@ -119,32 +120,7 @@ def test_odd_sizes_in_one_step_match_reference(cls, kw, monkeypatch):
 
 @pytest.mark.parametrize("cls,kw", [OPTION_CONFIGS[1], OPTION_CONFIGS[7]], ids=config_id)
 def test_bfloat16_parameters_keep_float32_state(cls, kw):
-    """bfloat16 weights and gradients, float32 state: each step equals the float64
-    reference step from the same bfloat16 weights, rounded to bfloat16, within one
-    rounding (float32 arithmetic can land on the other side of a rounding boundary)."""
-    named = [(n, torch.nn.Parameter(p.detach().bfloat16())) for n, p in named_params()]
-    opt = cls(named, exclude=("bias",), kernel="triton", **kw)
-    ref_named = [(n, torch.nn.Parameter(p.detach().double())) for n, p in named]
-    ref_opt = cls(ref_named, exclude=("bias",), kernel="reference", **kw)
-    for t in range(3):
-        for o in (opt, ref_opt):
-            for group in o.param_groups:
-                group["lr"] = kw["lr"] * LRS[2 + t]
-        grads = grads_like([p for _, p in named_params()], t)
-        for (name, p), (_, q), g in zip(named, ref_named, grads, strict=True):
-            g = (torch.zeros_like(g) if name.startswith("frozen") else g).bfloat16()
-            p.grad, q.grad = g, g.double()
-        opt.step()
-        ref_opt.step()
-        with torch.no_grad():
-            for (name, p), (_, q) in zip(named, ref_named, strict=True):
-                expected = q.bfloat16()
-                torch.testing.assert_close(p, expected, rtol=2**-7, atol=0, msg=name)
-                q.copy_(p)  # the next step starts from the same weights
-    for _, p in named:
-        for value in opt.state[p].values():
-            if value.ndim:
-                assert value.dtype == torch.float32
+    bf16_against_reference(cls, kw, "cpu")
 
 
 @pytest.mark.parametrize("cls,kw", [OPTION_CONFIGS[1], OPTION_CONFIGS[7]], ids=config_id)

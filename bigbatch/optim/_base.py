@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from ._norms import local
 from ._params import split_by_exclusion
 
 # Dtypes torch's fused CPU kernels accept; the per-tensor kernel needs them.
@@ -71,6 +72,20 @@ class LayerwiseOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._last_ratios: list | None = None
         # The Triton kernel's device tables, kept between steps (see ``_triton_plan``).
         self._workspace: dict = {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, then every 0-d state tensor (LAMB's step, LARS's local_lr) moved to its
+        parameter's device: torch keeps a loaded ``step`` on the CPU, and the kernels that
+        never read to the host (multi-tensor, Triton) want it beside the parameter."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                here = local(p).device
+                for key, value in (state or {}).items():
+                    if isinstance(value, torch.Tensor) and value.ndim == 0 \
+                            and value.device != here:
+                        state[key] = value.to(here)
 
     def _choose_kernel(self, params: list[torch.Tensor]) -> str:
         if self.kernel != "auto":

@@ -30,6 +30,12 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return cls is not None and isinstance(t, cls)
 
 
+def any_dtensor(tensors) -> bool:
+    """Whether any of ``tensors`` is a DTensor (one lookup of the class for all)."""
+    cls = dtensor_type()
+    return cls is not None and any(isinstance(t, cls) for t in tensors)
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds (in-place updates reach the DTensor).
 

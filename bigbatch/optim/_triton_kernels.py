@@ -208,7 +208,7 @@ def lamb_moments(ptrs, n_tensors, chunk_tensor, chunk_start, numel, partials, sc
                  max_norm: tl.float64, W: tl.constexpr, S: tl.constexpr, C: tl.constexpr,
                  BIAS: tl.constexpr, NORMS: tl.constexpr, CLIP: tl.constexpr,
                  CHUNK: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
-    """LAMB's first pass over one chunk (rows: w, g, m, v, step)::
+    """LAMB's first pass over one chunk (rows: w, g, step, m, v)::
 
         g = g / clip                       (CLIP: clip = max(||g_all|| / max_norm, 1), stored)
         m = beta1 * m + (1 - beta1) * g
@@ -225,9 +225,9 @@ def lamb_moments(ptrs, n_tensors, chunk_tensor, chunk_start, numel, partials, sc
     t, start, n = _chunk(chunk_tensor, chunk_start, numel, c, CHUNK, ALIGN)
     w_ptr = _stream(ptrs, 0, n_tensors, t, start, W, ALIGN)
     g_ptr = _stream(ptrs, 1, n_tensors, t, start, W, ALIGN)
-    m_ptr = _stream(ptrs, 2, n_tensors, t, start, S, ALIGN)
-    v_ptr = _stream(ptrs, 3, n_tensors, t, start, S, ALIGN)
-    step = tl.load(_row(ptrs, 4, n_tensors, t, tl.float32)).to(tl.float64) + 1.0
+    m_ptr = _stream(ptrs, 3, n_tensors, t, start, S, ALIGN)
+    v_ptr = _stream(ptrs, 4, n_tensors, t, start, S, ALIGN)
+    step = tl.load(_row(ptrs, 2, n_tensors, t, tl.float32)).to(tl.float64) + 1.0
     tl.store(scalars + t, step, mask=start == 0)
     bc1, bc2 = _bias_corrections(step, log_beta1, log_beta2, BIAS)
     if CLIP:
@@ -295,11 +295,11 @@ def lamb_update(ptrs, n_tensors, chunk_tensor, chunk_start, numel, first_chunk, 
     c = chunk0 + tl.program_id(0)
     t, start, n = _chunk(chunk_tensor, chunk_start, numel, c, CHUNK, ALIGN)
     w_ptr = _stream(ptrs, 0, n_tensors, t, start, W, ALIGN)
-    m_ptr = _stream(ptrs, 2, n_tensors, t, start, S, ALIGN)
-    v_ptr = _stream(ptrs, 3, n_tensors, t, start, S, ALIGN)
+    m_ptr = _stream(ptrs, 3, n_tensors, t, start, S, ALIGN)
+    v_ptr = _stream(ptrs, 4, n_tensors, t, start, S, ALIGN)
     step = tl.load(scalars + t)
     first = start == 0
-    tl.store(_row(ptrs, 4, n_tensors, t, tl.float32), step.to(tl.float32), mask=first)
+    tl.store(_row(ptrs, 2, n_tensors, t, tl.float32), step.to(tl.float32), mask=first)
     bc1, bc2 = _bias_corrections(step, log_beta1, log_beta2, BIAS)
     if ADAPT:
         w_square, u_square = _tensor_squares(partials, first_chunk, squares, t, SUMMED, RBLOCK)

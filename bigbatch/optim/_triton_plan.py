@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ._base import fusable
-from ._norms import is_dtensor, local
+from ._norms import any_dtensor, local
 
 # Elements per program: enough work to hide a program's start, small enough that
 # BERT-large's 335 M parameters make ~20 K programs and ResNet-50's ~1.7 K.
@@ -38,7 +38,7 @@ BLOCK = 1024
 NUM_WARPS = 4
 # Chunks a reduction program adds per vector operation.
 REDUCE_BLOCK = 256
-# Tables kept per workspace (gradients may alternate between a few blocks).
+# Steps (address tables) kept per workspace: gradients may alternate between a few blocks.
 TABLES_KEPT = 4
 
 _KERNELS = Path(__file__).with_name("_triton_kernels.py")
@@ -148,6 +148,7 @@ class Bucket:
     state_dtype: torch.dtype
     first: int          # first tensor
     count: int
+    run: int = 0        # index of its group in the step's runs
     chunk0: int = 0     # first chunk
     chunks: int = 0
     # Elements per 16 bytes of the narrower dtype when every address is 16-byte
@@ -163,15 +164,13 @@ class Step:
     device: torch.device
     n: int
     ptrs: torch.Tensor
+    ptrs_host: torch.Tensor             # kept: a graph that captured its copy reads it
     layout: Layout
     buckets: list[Bucket]
-    owners: list[torch.Tensor]          # the parameters, in the step's order
+    owners: list[torch.Tensor]          # DTensor parameters, in the step's order
     # (original, staged copy) of every staged tensor, held until the launches are queued
     staged: list[tuple[torch.Tensor, torch.Tensor, bool]]
-
-    @property
-    def sharded(self) -> bool:
-        return any(is_dtensor(w) for w in self.owners)
+    sharded: bool = False
 
     def copy_back(self) -> None:
         """Written staged tensors back to their originals (after the last launch)."""
@@ -181,88 +180,111 @@ class Step:
 
 
 def _layout(workspace: dict, numels: list[int], positions: list[int], device) -> Layout:
+    """The chunk layout for these sizes, kept while they stay (a model's do not change)."""
     key = (device, CHUNK, tuple(numels), tuple(positions))
     found = workspace.get("layout")
-    if found is None or found[0] != key:  # a model's sizes do not change: keep one
+    if found is None or found[0] != key:
         found = workspace["layout"] = (key, Layout.build(numels, positions, device))
     return found[1]
 
 
-def _table(workspace: dict, addresses: list[int], device) -> torch.Tensor:
-    tables = workspace.setdefault("tables", {})
-    key = (device, tuple(addresses))
-    found = tables.get(key)
-    if found is None:
-        if len(tables) >= TABLES_KEPT:
-            tables.pop(next(iter(tables)))
-        found = tables[key] = _device_table(addresses, device)
-    return found[0]
-
-
-def prepare(workspace: dict | None, runs, streamed: int, written: tuple[int, ...]) -> Step:
+def prepare(workspace: dict | None, runs, streamed: tuple[int, ...], state_row: int,
+            written: tuple[int, ...]) -> Step:
     """The ``Step`` for ``runs``: ``(opts, params, grads, states)`` per group, where
-    a parameter's rows are ``(w, g, *state)``; the first ``streamed`` rows are walked
-    elementwise (the rest are 0-d), and rows ``written`` are copied back if staged.
+    a parameter's rows are ``(w, g, *state)``; rows ``streamed`` are walked
+    elementwise (the others are 0-d), row ``state_row`` has the state's dtype, and
+    rows ``written`` are copied back if staged.
+
+    ``workspace``: a dict the caller keeps between steps. A step whose tensors all
+    sit where a previous step's did (the usual case) reuses that step's tables and
+    layout: the host work per step is then reading each tensor's address.
+    """
+    workspace = {} if workspace is None else workspace
+    sharded = any_dtensor(w for _, ps, _, _ in runs for w in ps)
+    if sharded:
+        flat = [t for _, ps, gs, ss in runs for w, g, st in zip(ps, gs, ss, strict=True)
+                for t in (local(w), local(g), *st)]
+    else:
+        flat = [t for _, ps, gs, ss in runs for w, g, st in zip(ps, gs, ss, strict=True)
+                for t in (w, g, *st)]
+    key = (tuple(map(torch.Tensor.data_ptr, flat)), tuple(len(r[1]) for r in runs), streamed)
+    steps = workspace.setdefault("steps", {})
+    step = steps.get(key)
+    if step is None:
+        width = len(flat) // sum(len(r[1]) for r in runs)
+        rows = [flat[i:i + width] for i in range(0, len(flat), width)]
+        step = _build(workspace, runs, rows, streamed, state_row, written, sharded)
+        if not step.staged:  # staged copies are new tensors every step
+            if len(steps) >= TABLES_KEPT:
+                steps.pop(next(iter(steps)))
+            steps[key] = step
+    for b in step.buckets:
+        b.opts = runs[b.run][0]
+    step.owners = [w for _, ps, _, _ in runs for w in ps] if sharded else []
+    return step
+
+
+def _build(workspace: dict, runs, rows: list[list[torch.Tensor]], streamed: tuple[int, ...],
+           state_row: int, written: tuple[int, ...], sharded: bool) -> Step:
+    """A new ``Step``: checks, staging, order, buckets, layout and address table.
 
     Within a group, tensors are ordered by (weight dtype, state dtype) so that each
     bucket is one launch; ``Layout.positions`` maps them back to the callers' order.
-    ``workspace``: a dict the caller keeps between steps, where the layout and the
-    address tables stay while the tensors do.
     """
-    workspace = {} if workspace is None else workspace
-    entries = []
-    position = 0
-    for r, (_, params, grads, states) in enumerate(runs):
-        for w, g, state in zip(params, grads, states, strict=True):
-            entries.append((r, position, w, [local(w), local(g), *state]))
-            position += 1
-    if len({(e[0], e[3][0].dtype, e[3][2].dtype) for e in entries}) > len(runs):
-        entries.sort(key=lambda e: (e[0], str(e[3][0].dtype), str(e[3][2].dtype)))
-    device = entries[0][3][0].device
-    staged = []
-    for _, _, _, rows in entries:
-        if not fusable(*rows[:streamed]):
-            _stage(rows, streamed, written, staged)
+    run_of = [r for r, (_, ps, _, _) in enumerate(runs) for _ in ps]
+    order = list(range(len(rows)))
+    kinds = [(rows[t][0].dtype, rows[t][state_row].dtype) for t in order]
+    if len({(run_of[t], kinds[t]) for t in order}) > len(runs):
+        order.sort(key=lambda t: (run_of[t], str(kinds[t])))
+    device = rows[0][0].device
+    wrong = [t.device for row in rows for t in row if t.device != device]
+    if wrong:
+        raise RuntimeError(f"kernel='triton': all tensors of a step must be on {device}; "
+                           f"found a gradient or state tensor on {wrong[0]}")
+    staged: list = []
+    for t in order:
+        if not fusable(*(rows[t][k] for k in streamed)):
+            _stage(rows[t], streamed, written, staged)
     buckets: list[Bucket] = []
-    for t, (r, _, _, rows) in enumerate(entries):
-        kind = (rows[0].dtype, rows[2].dtype)
+    for i, t in enumerate(order):
         last = buckets[-1] if buckets else None
-        if last is None or last.opts is not runs[r][0] or \
-                (last.weight_dtype, last.state_dtype) != kind:
-            buckets.append(Bucket(runs[r][0], *kind, first=t, count=0))
+        if last is None or last.run != run_of[t] or (last.weight_dtype,
+                                                     last.state_dtype) != kinds[t]:
+            buckets.append(Bucket(runs[run_of[t]][0], *kinds[t], first=i, count=0,
+                                  run=run_of[t]))
         buckets[-1].count += 1
-    layout = _layout(workspace, [e[3][0].numel() for e in entries], [e[1] for e in entries],
-                              device)
+    numels = [rows[t][0].numel() for t in order]
+    layout = _layout(workspace, numels, order, device)
+    table = [rows[t][k].data_ptr() for k in range(len(rows[0])) for t in order]
     for b in buckets:
         b.chunk0 = layout.starts[b.first]
         b.chunks = layout.starts[b.first + b.count] - b.chunk0
-    n_rows = len(entries[0][3])
-    addresses = [e[3][k].data_ptr() for k in range(n_rows) for e in entries]
-    for b in buckets:
-        b.align = _alignment(b, entries, addresses, streamed, len(entries))
-    return Step(device, len(entries), _table(workspace, addresses, device), layout, buckets,
-                [e[2] for e in entries], staged)
+        b.align = _alignment(b, numels, table, streamed, len(order))
+    return Step(device, len(order), *_device_table(table, device), layout, buckets, [], staged,
+                sharded)
 
 
-def _alignment(b: Bucket, entries, addresses: list[int], streamed: int, n: int) -> int:
+def _alignment(b: Bucket, numels: list[int], addresses: list[int], streamed: tuple[int, ...],
+               n: int) -> int:
     """``Bucket.align`` for ``b``: 16 bytes' worth of its narrower dtype, if all its
     streamed addresses are 16-byte aligned and all its sizes a multiple of that."""
     itemsize = min(b.weight_dtype.itemsize, b.state_dtype.itemsize)
     align = 16 // itemsize
     tensors = range(b.first, b.first + b.count)
-    if any(entries[t][3][0].numel() % align for t in tensors):
+    if any(numels[t] % align for t in tensors):
         return 1
-    if any(addresses[k * n + t] % 16 for k in range(streamed) for t in tensors):
+    if any(addresses[k * n + t] % 16 for k in streamed for t in tensors):
         return 1
     return align
 
 
-def _stage(rows: list[torch.Tensor], streamed: int, written: tuple[int, ...], staged) -> None:
+def _stage(rows: list[torch.Tensor], streamed: tuple[int, ...], written: tuple[int, ...],
+           staged) -> None:
     """Replace the streamed rows that are not laid out like a dense weight by dense
     copies (the weight's strides, or contiguous when the weight itself is not dense)."""
     w = rows[0]
     like = w if fusable(w) else torch.empty_like(w, memory_format=torch.contiguous_format)
-    for k in range(streamed):
+    for k in streamed:
         x = rows[k]
         if x is like or fusable(like, x):
             continue

@@ -32,9 +32,9 @@ def lamb_triton(runs, max_grad_norm: float | None, ratios: list | None,
     """LAMB over ``runs`` = ``(opts, params, grads, states)`` per group, states
     ``(step, exp_avg, exp_avg_sq)``; see ``lamb.lamb`` for the update."""
     clip = max_grad_norm is not None
-    # Rows w, g, m, v, step: the streamed ones first.
-    runs = [(o, ps, gs, [(m, v, s) for s, m, v in ss]) for o, ps, gs, ss in runs]
-    step = plan.prepare(workspace, runs, streamed=4, written=(0, 2, 3) + ((1,) if clip else ()))
+    # Rows w, g, step, m, v; m and v, like w and g, walked elementwise.
+    step = plan.prepare(workspace, runs, streamed=(0, 1, 3, 4), state_row=3,
+                        written=(0, 3, 4) + ((1,) if clip else ()))
     k = plan.kernels(step.device)
     lay = step.layout
     tables = (step.ptrs, step.n, lay.chunk_tensor, lay.chunk_start, lay.numel)
@@ -78,7 +78,8 @@ def lamb_triton(runs, max_grad_norm: float | None, ratios: list | None,
 def lars_triton(runs, ratios: list | None, workspace: dict | None) -> None:
     """LARS over ``runs`` = ``(opts, params, grads, states)`` per group, states
     ``(momentum_buffer, local_lr)``; see ``lars.lars`` for the update."""
-    step = plan.prepare(workspace, runs, streamed=3, written=(0, 2))
+    # Rows w, g, momentum_buffer, local_lr.
+    step = plan.prepare(workspace, runs, streamed=(0, 1, 2), state_row=2, written=(0, 2))
     k = plan.kernels(step.device)
     lay = step.layout
     tables = (step.ptrs, step.n, lay.chunk_tensor, lay.chunk_start, lay.numel)

@@ -42,6 +42,7 @@ from ._lamb_cpu import (
     step_counts,
 )
 from ._norms import (
+    any_dtensor,
     by_device_and_dtype,
     global_norm,
     is_dtensor,
@@ -187,10 +188,19 @@ class LAMB(LayerwiseOptimizer):
             state["step"] = state["step"].to(here)
         return state["step"], local(state["exp_avg"]), local(state["exp_avg_sq"])
 
+    def _stored(self, w: torch.Tensor) -> LambState | None:
+        """``w``'s state as stored, or None before its first step."""
+        state = self.state.get(w)
+        return (state["step"], state["exp_avg"], state["exp_avg_sq"]) if state else None
+
     def _update(self, work, kernel, ratios):
         params = [w for _, ps in work for w in ps]
-        plain = not any(is_dtensor(w) for w in params)
-        lamb(params, [w.grad for w in params], [self._state(w, plain, kernel) for w in params],
+        plain = not any_dtensor(params)
+        if kernel == "triton" and plain:  # the kernels check devices and layouts themselves
+            states = [self._stored(w) or self._state(w, plain, kernel) for w in params]
+        else:
+            states = [self._state(w, plain, kernel) for w in params]
+        lamb(params, [w.grad for w in params], states,
              groups=[({**g, "adapt": self._adapts(g)}, len(ps)) for g, ps in work],
              max_grad_norm=self.max_grad_norm, kernel=kernel, ratios=ratios,
              scratch=self._scratch, workspace=self._workspace)

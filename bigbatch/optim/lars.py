@@ -39,7 +39,7 @@ from ._base import (
     state_dtype,
 )
 from ._blocks import blocks, host_norms, whole_squares
-from ._norms import by_device_and_dtype, is_dtensor, local, stack, whole_norms
+from ._norms import any_dtensor, by_device_and_dtype, is_dtensor, local, stack, whole_norms
 from ._params import check_range
 from ._steps import lars_local_lr, lars_momentum_coefficients, lars_reference_update
 
@@ -155,6 +155,14 @@ class LARS(LayerwiseOptimizer):
         state["local_lr"] = prev = as_state_tensor(state["local_lr"], b)
         return b, prev
 
+    def _stored(self, w: torch.Tensor) -> LarsState | None:
+        """``w``'s state as stored, or None before its first step or while ``local_lr``
+        is still an old state dict's Python float."""
+        state = self.state.get(w)
+        if state and type(state["local_lr"]) is torch.Tensor:
+            return state["momentum_buffer"], state["local_lr"]
+        return None
+
     def _plain_state(self, w: torch.Tensor, kernel: str) -> LarsState:
         """``_state`` for a tensor known not to be a DTensor, with the lookups short."""
         state = self.state[w]
@@ -167,9 +175,12 @@ class LARS(LayerwiseOptimizer):
 
     def _update(self, work, kernel, ratios):
         params = [w for _, ps in work for w in ps]
-        sharded = any(is_dtensor(w) for w in params)
-        states = [self._state(w, kernel) if sharded else self._plain_state(w, kernel)
-                  for w in params]
+        sharded = any_dtensor(params)
+        if kernel == "triton" and not sharded:  # the kernels check devices themselves
+            states = [self._stored(w) or self._state(w, kernel) for w in params]
+        else:
+            states = [self._state(w, kernel) if sharded else self._plain_state(w, kernel)
+                      for w in params]
         lars(params, [w.grad for w in params], states,
              groups=[({**g, "adapt": self._adapts(g)}, len(ps)) for g, ps in work],
              kernel=kernel, ratios=ratios, workspace=self._workspace)
