@@ -1,5 +1,5 @@
 # Sourced by scripts/train and scripts/test: create .venv and install bigbatch
-# into it, once, and again only when pyproject.toml changes.
+# into it, once, and again only when pyproject.toml changes; Triton too for the tests.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
@@ -20,5 +20,18 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         exit 1
     fi
     echo "$want" > "$stamp"
+fi
+# scripts/test (BIGBATCH_WITH_TRITON=1) adds Triton, once, so that the tests run the
+# optimizers' Triton kernels through its interpreter on CPU; scripts/train does not
+# (Triton is ~1 GB, and a CPU job never needs it).
+triton="triton==3.6.0"
+if [ "${BIGBATCH_WITH_TRITON:-0}" = 1 ] && [ "$(cat "$venv/.triton-installed" 2>/dev/null)" != "$triton" ]; then
+    echo "bigbatch: installing $triton into $venv for the tests (once)" >&2
+    if ! "$venv/bin/python" -m pip install "$triton" >"$venv/install-triton.log" 2>&1; then
+        tail -n 30 "$venv/install-triton.log" >&2
+        echo "bigbatch: installing $triton failed; its tests will be skipped (log: $venv/install-triton.log)" >&2
+    else
+        echo "$triton" > "$venv/.triton-installed"
+    fi
 fi
 export PATH="$venv/bin:$PATH"

@@ -308,7 +308,8 @@ def _compile(kernel, **constexprs):
     types = {name: ty for ty, names in _ARGS.items() for name in names}
     signature = {a: "constexpr" if a in constexprs else types[a] for a in kernel.arg_names}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    return compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return compile(source, target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": _triton_plan.NUM_WARPS})
 
 
 def test_kernels_compile_for_sm90_with_16_byte_accesses():
@@ -320,7 +321,7 @@ def test_kernels_compile_for_sm90_with_16_byte_accesses():
     k = _triton_plan.kernels(torch.device("cuda"))
     tl = k.tl
     f32 = dict(W=tl.float32, S=tl.float32, C=tl.float32)
-    sizes = dict(CHUNK=1 << 14, BLOCK=1024, ALIGN=4)
+    sizes = dict(CHUNK=1 << 16, BLOCK=4096, ALIGN=4)  # the defaults (the fixture shrinks them)
     built = [
         _compile(k.lamb_moments, **f32, BIAS=True, NORMS=True, CLIP=True, **sizes),
         _compile(k.lamb_update, **f32, BIAS=True, ADAPT=True, TRUST_CLIP=True, SUMMED=False,

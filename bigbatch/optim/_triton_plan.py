@@ -30,12 +30,13 @@ import torch
 from ._base import fusable
 from ._norms import any_dtensor, local
 
-# Elements per program: enough work to hide a program's start, small enough that
-# BERT-large's 335 M parameters make ~20 K programs and ResNet-50's ~1.7 K.
-CHUNK = 1 << 14
-# Elements per vector operation inside a program (8 per thread at 4 warps).
-BLOCK = 1024
-NUM_WARPS = 4
+# Elements per program, elements per vector operation inside it (16 per thread at 8
+# warps), warps per program. On an H200 (benchmarks/NOTES-gpu.md) this beat 16 K / 1024 /
+# 4 and 16 K / 2048 / 4 on both BERT-large and ResNet-50 shapes, by 2-11 %: fewer, longer
+# programs (BERT-large: ~5.3 K of them; ResNet-50: ~550) and fewer partial norms to add.
+CHUNK = 1 << 16
+BLOCK = 4096
+NUM_WARPS = 8
 # Chunks a reduction program adds per vector operation.
 REDUCE_BLOCK = 256
 # Steps (address tables) kept per workspace: gradients may alternate between a few blocks.
