@@ -17,6 +17,8 @@ chunk several blocks. Skipped where Triton is not installed.
 
 import io
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -316,8 +318,6 @@ def test_kernels_compile_for_sm90_with_16_byte_accesses():
     """Triton compiles every kernel to a cubin here (ptxas ships with it): the compiled
     path, which the interpreter does not exercise, has no type or lowering error; with
     aligned tensors (ALIGN) the float32 loads and stores move 16 bytes each."""
-    import re
-
     k = _triton_plan.kernels(torch.device("cuda"))
     tl = k.tl
     f32 = dict(W=tl.float32, S=tl.float32, C=tl.float32)
@@ -342,3 +342,14 @@ def test_kernels_compile_for_sm90_with_16_byte_accesses():
         ptx = compiled.asm["ptx"]
         assert re.search(r"ld\.global\.v4\.b32", ptx), compiled.name
         assert bool(re.search(r"st\.global\.v4\.b32", ptx)) == stores, compiled.name
+
+
+# ------------------------------------------------------------------ docs/gpu.md runs
+
+_GPU_DOC = Path(__file__).resolve().parent.parent / "docs" / "gpu.md"
+
+
+@pytest.mark.parametrize("snippet", re.findall(r"```python\n(.*?)```", _GPU_DOC.read_text(),
+                                               re.S))
+def test_gpu_page_snippets_run(snippet):
+    exec(compile(snippet, str(_GPU_DOC), "exec"), {})
