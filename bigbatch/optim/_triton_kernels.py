@@ -139,26 +139,34 @@ def _rate(lr_ptr, lr_value, LR_PTR: tl.constexpr):
 
 
 @_device_function
+def _sum_chunks(partials, first_chunk, t, K: tl.constexpr, RBLOCK: tl.constexpr):
+    """Tensor ``t``'s chunk partials ``partials[K*c + k]`` summed for k = 0 (and 1 when
+    K = 2), always in the same order: every program, and ``reduce_chunks``, gets the
+    same bits."""
+    c1 = tl.load(first_chunk + t + 1)
+    acc0 = tl.full((RBLOCK,), 0.0, tl.float64)
+    acc1 = tl.full((RBLOCK,), 0.0, tl.float64)
+    i = tl.load(first_chunk + t)
+    while i < c1:
+        offs = i + tl.arange(0, RBLOCK)
+        mask = offs < c1
+        acc0 += tl.load(partials + K * offs, mask=mask, other=0.0)
+        if K == 2:
+            acc1 += tl.load(partials + K * offs + 1, mask=mask, other=0.0)
+        i += RBLOCK
+    return tl.reduce(acc0, 0, _SUM), tl.reduce(acc1, 0, _SUM)
+
+
+@_device_function
 def _tensor_squares(partials, first_chunk, squares, t, SUMMED: tl.constexpr,
                     RBLOCK: tl.constexpr):
     """Tensor ``t``'s two sums of squares: read from ``squares`` (SUMMED), or added
-    from its chunks' ``partials``, always in the same order."""
+    from its chunks' ``partials``."""
     if SUMMED:
         a = tl.load(squares + 2 * t)
         b = tl.load(squares + 2 * t + 1)
     else:
-        c1 = tl.load(first_chunk + t + 1)
-        acc0 = tl.full((RBLOCK,), 0.0, tl.float64)
-        acc1 = tl.full((RBLOCK,), 0.0, tl.float64)
-        i = tl.load(first_chunk + t)
-        while i < c1:
-            offs = i + tl.arange(0, RBLOCK)
-            mask = offs < c1
-            acc0 += tl.load(partials + 2 * offs, mask=mask, other=0.0)
-            acc1 += tl.load(partials + 2 * offs + 1, mask=mask, other=0.0)
-            i += RBLOCK
-        a = tl.reduce(acc0, 0, _SUM)
-        b = tl.reduce(acc1, 0, _SUM)
+        a, b = _sum_chunks(partials, first_chunk, t, 2, RBLOCK)
     return a, b
 
 
@@ -183,22 +191,12 @@ def sum_squares(ptrs, n_tensors, chunk_tensor, chunk_start, numel, out, chunk0, 
 @triton.jit
 def reduce_chunks(partials, first_chunk, squares, K: tl.constexpr, RBLOCK: tl.constexpr):
     """Per tensor ``t`` (a program each): ``squares[K*t + k]`` = the sum of its chunks'
-    ``partials[K*c + k]``, always added in the same order."""
+    ``partials[K*c + k]`` (``_sum_chunks``)."""
     t = tl.program_id(0)
-    c1 = tl.load(first_chunk + t + 1)
-    acc0 = tl.full((RBLOCK,), 0.0, tl.float64)
-    acc1 = tl.full((RBLOCK,), 0.0, tl.float64)
-    i = tl.load(first_chunk + t)
-    while i < c1:
-        offs = i + tl.arange(0, RBLOCK)
-        mask = offs < c1
-        acc0 += tl.load(partials + K * offs, mask=mask, other=0.0)
-        if K == 2:
-            acc1 += tl.load(partials + K * offs + 1, mask=mask, other=0.0)
-        i += RBLOCK
-    tl.store(squares + K * t, tl.reduce(acc0, 0, _SUM))
+    a, b = _sum_chunks(partials, first_chunk, t, K, RBLOCK)
+    tl.store(squares + K * t, a)
     if K == 2:
-        tl.store(squares + K * t + 1, tl.reduce(acc1, 0, _SUM))
+        tl.store(squares + K * t + 1, b)
 
 
 @triton.jit(do_not_specialize=["n_tensors", "chunk0"])
