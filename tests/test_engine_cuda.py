@@ -71,8 +71,6 @@ def _strategy(sections: dict) -> Strategy:
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("count", [False, True], ids=["mean", "count"])
 def test_engine_step_makes_no_host_sync(name, count):
-    if count and name == "adamw_noise_scale":
-        pytest.skip("the noise scale reads count= item counts on the host (not yet sync-free)")
     torch.manual_seed(0)
     model = Tiny()
     run = prepare(model, _strategy(CASES[name]), total_steps=20, world=World(device=torch.device("cuda")))

@@ -196,8 +196,10 @@ class Adaptive:
                                                    [p.grad for p in info.params]))
             else:
                 big = info.global_sq_norm()
-            small_b, big_b = float(info.local_batch), float(info.global_batch)
-            if 0 < small_b < big_b:
+            # Item counts of count= losses stay on the device (read at flush, with the norms).
+            small_b, big_b = info.local_batch, info.global_batch
+            if isinstance(small_b, torch.Tensor) or isinstance(big_b, torch.Tensor) or (
+                    0 < small_b < big_b):
                 # The GradInfo itself: its local norm's all-reduce is waited for at flush.
                 self._pending.append((info.step, info, big, small_b, big_b, opt_factor**2))
         else:
@@ -231,12 +233,14 @@ class Adaptive:
         pending, self._pending = self._pending, []
         pending = [(row[0], row[1].local_sq_norm, *row[2:]) if hasattr(row[1], "local_sq_norm")
                    else row for row in pending]
-        tensors = [x for row in pending for x in row[1:3] if isinstance(x, torch.Tensor)]
-        values = iter(torch.stack([t.detach().to(torch.float64) for t in tensors]).tolist()
-                      if tensors else [])
-        for step, small, big, small_b, big_b, factor in pending:
-            small = next(values) if isinstance(small, torch.Tensor) else small
-            big = next(values) if isinstance(big, torch.Tensor) else big
+        tensors = [x for row in pending for x in row[1:5] if isinstance(x, torch.Tensor)]
+        values = iter(torch.stack([t.detach().to(torch.float64).reshape(())
+                                   for t in tensors]).tolist() if tensors else [])
+        for step, *row, factor in pending:
+            small, big, small_b, big_b = (next(values) if isinstance(x, torch.Tensor) else x
+                                          for x in row)
+            if not 0 < small_b < big_b:  # a step with no smaller batch to compare
+                continue
             est = self.tracker.update(small / factor, big / factor, small_b, big_b)
             if self.estimate_log is not None:
                 self.estimate_log.append({"step": step, "sq_norm": est.sq_norm,

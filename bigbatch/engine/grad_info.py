@@ -51,9 +51,10 @@ class GradInfo:
         self._local_sq = local_sq_norm
         self._pending = pending  # (work handle of the sum over workers, divisor)
         self.local_batch = local_batch
-        """Items behind the small-batch gradient (mean over workers); None with no norm."""
+        """Items behind the small-batch gradient (mean over workers); None with no norm.
+        With ``count=`` losses a 0-d tensor where the counts were tensors (no host read)."""
         self.global_batch = global_batch
-        """Items behind the reduced gradient."""
+        """Items behind the reduced gradient (a 0-d tensor as `local_batch` may be)."""
         self.big_sq_norm = big_sq_norm
         """The big-batch norm to pair with `local_sq_norm`, where the collector measured it
         (a pipeline: the whole model's, summed over stages, preconditioned as the small one);
@@ -121,8 +122,7 @@ def small_batch_sq_norm(window: Any, scale: float, data_degree: int,
     W, k, micro = data_degree, window.k_steps, window.micro_batch_size
     opt_factor = 1.0 if window.avg else float(k)
     count_mode = window.mode == "count"
-    if count_mode:
-        local_count, total_count = float(local_count), float(total_count)
+    # Counts of count= losses may be device tensors: kept so, as no host sync is needed.
     global_batch = total_count if count_mode else float(micro * k * W)
     if local_raw is not None:  # DDP: each worker's merged gradient before the all-reduce
         if count_mode:
@@ -135,7 +135,7 @@ def small_batch_sq_norm(window: Any, scale: float, data_degree: int,
         return local_sq, local_batch, global_batch, (all_reduce_sum(local_sq, async_op=True), W)
     if window.first_sq is not None:  # one worker with merge: the first micro-step
         if count_mode:
-            first = float(window.first_count)
+            first = window.first_count
             unit = scale * window.count_mult * first / opt_factor
             local_batch = first
         else:
