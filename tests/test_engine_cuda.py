@@ -4,9 +4,9 @@ After a first step (optimizer state is created there), every micro-step and
 optimizer step runs under ``torch.cuda.set_sync_debug_mode("error")``: AdamW,
 LAMB, LARS, global-norm clipping, bf16 autocast, gradient merge, summed losses
 with a tensor count, and the noise scale (its norms stay on the device until the
-batched transfer every 64 steps, or a read of `run.stats`). Not yet sync-free, so not
-listed: fp16 loss scaling (the overflow check reads a flag) and the noise scale with
-``count=`` losses (the item counts are read as numbers).
+batched transfer every 64 steps, or a read of `run.stats`). fp16 loss scaling is
+left out: its overflow flag is read on the host, since a skipped step holds the
+schedule and the step count (one read per step, fp16 only).
 """
 
 from __future__ import annotations
