@@ -15,7 +15,6 @@ block sizes are shrunk so that tensors still span several chunks and a
 chunk several blocks. Skipped where Triton is not installed.
 """
 
-import io
 import os
 import re
 from pathlib import Path
@@ -25,8 +24,8 @@ import torch
 from test_optim_kernels import (
     LAYOUT_CONFIGS,
     LAYOUTS,
-    LRS,
     OPTION_CONFIGS,
+    assert_round_trip_continues,
     assert_same,
     bf16_against_reference,
     config_id,
@@ -171,26 +170,7 @@ def test_launches_do_not_grow_with_the_tensor_count(cls, kw, monkeypatch):
 
 @pytest.mark.parametrize("cls,kw", [OPTION_CONFIGS[1], OPTION_CONFIGS[7]], ids=config_id)
 def test_state_dict_round_trip_continues_identically(cls, kw):
-    whole = run(cls, kw, "triton", steps=4)
-    named, opt, _ = run(cls, kw, "triton", steps=2)
-    buf = io.BytesIO()
-    torch.save({"params": [p.detach().clone() for _, p in named], "opt": opt.state_dict()}, buf)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
-    named2 = named_params()
-    with torch.no_grad():
-        for (_, p), value in zip(named2, saved["params"], strict=True):
-            p.copy_(value)
-    opt2 = cls(named2, exclude=("bias",), kernel="triton", **kw)
-    opt2.load_state_dict(saved["opt"])
-    for t in range(2, 4):
-        for group in opt2.param_groups:
-            group["lr"] = kw["lr"] * LRS[t]
-        for (name, p), g in zip(named2, grads_like([p for _, p in named2], t), strict=True):
-            p.grad = torch.zeros_like(p) if name.startswith("frozen") else g
-        opt2.step()
-    for (name, p), (_, q) in zip(whole[0], named2, strict=True):
-        assert torch.equal(p, q), name
+    assert_round_trip_continues(cls, kw, "triton", before=2, total=4)
 
 
 def test_functional_form_equals_the_class():
