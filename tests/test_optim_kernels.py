@@ -316,12 +316,18 @@ def test_mixed_sizes_take_every_cpu_path_and_match_reference(cls, kw, monkeypatc
     monkeypatch.setattr(_lamb_cpu, "SMALL", 32)
     monkeypatch.setattr(_lamb_cpu, "WHOLE", 200)
     monkeypatch.setattr(_lamb_cpu, "CHUNK", 64)
+    assert_mixed_match_reference(cls, kw, "per_tensor", steps=4)
+
+
+def assert_mixed_match_reference(cls, kw, kernel, steps):
+    """``mixed_params`` stepped together by ``kernel`` and by the reference: the same
+    weights (strides kept) and trust ratios, in float64."""
     runs = []
-    for kernel in ("reference", "per_tensor"):
+    for k in ("reference", kernel):
         params = mixed_params()
-        opt = cls(params, kernel=kernel, **kw)
+        opt = cls(params, kernel=k, **kw)
         opt.track_trust_ratios = True
-        for t in range(4):
+        for t in range(steps):
             for p, grad in zip(params, grads_like(params, t), strict=True):
                 set_grad(p, grad, "like_param")
             opt.step()

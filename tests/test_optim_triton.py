@@ -25,13 +25,13 @@ from test_optim_kernels import (
     LAYOUT_CONFIGS,
     LAYOUTS,
     OPTION_CONFIGS,
+    assert_mixed_match_reference,
     assert_round_trip_continues,
     assert_same,
     bf16_against_reference,
     config_id,
     grads_like,
     make_layout,
-    mixed_params,
     named_params,
     run,
     set_grad,
@@ -102,21 +102,7 @@ def test_odd_sizes_in_one_step_match_reference(cls, kw, monkeypatch):
     chunk), transposed, channels_last, a non-dense view, a zero weight."""
     monkeypatch.setattr(_triton_plan, "CHUNK", 64)
     monkeypatch.setattr(_triton_plan, "BLOCK", 16)
-    runs = []
-    for kernel in ("reference", "triton"):
-        params = mixed_params()
-        opt = cls(params, kernel=kernel, **kw)
-        opt.track_trust_ratios = True
-        for t in range(2):
-            for p, grad in zip(params, grads_like(params, t), strict=True):
-                set_grad(p, grad, "like_param")
-            opt.step()
-        runs.append((params, opt.trust_ratios()))
-    (ref, ref_ratios), (fast, fast_ratios) = runs
-    for i, (a, b, start) in enumerate(zip(ref, fast, mixed_params(), strict=True)):
-        assert b.stride() == start.stride(), i
-        torch.testing.assert_close(b - start, a - start, rtol=1e-12, atol=1e-15, msg=str(i))
-    torch.testing.assert_close(fast_ratios, ref_ratios, rtol=1e-10, atol=1e-15)
+    assert_mixed_match_reference(cls, kw, "triton", steps=2)
 
 
 @pytest.mark.parametrize("cls,kw", [OPTION_CONFIGS[1], OPTION_CONFIGS[7]], ids=config_id)
