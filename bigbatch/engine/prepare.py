@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
             local_grad_norm: bool | None = None, plan: Any = None,
             tp_plan: Any = None, pipeline_layers: Any = None,
             optimizer: torch.optim.Optimizer | None = None,
-            policies: list[Any] | None = None) -> Run:
+            policies: list[Any] | None = None, model_plan: Any = None) -> Run:
     """Apply `strategy` to `model` and return the `Run` that drives the training loop.
 
     `total_steps` and `steps_per_epoch` count optimizer steps (one per global
@@ -66,12 +67,21 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
     `[lars]` or `[lamb]` is then a ConfigError, as is a sharded, sliced or pipelined run
     (they replace the parameters your optimizer holds).
 
+    `model_plan`: a `bigbatch.parallel.model_plan.ModelPlan`, what the model contributes
+    to parallelism in one place (its block classes for FSDP2, its tensor-parallel plan,
+    its pipeline layers); `tp_plan=` and `pipeline_layers=` given here take precedence.
+
     `policies`: `bigbatch.Policy` objects, or names as in ``[adaptive] policies`` (added
     to `run.strategy`), run after those of the strategy (`run.policies`).
     """
     from bigbatch.config.schedules import Schedule
 
     world = world if world is not None else World.from_env()
+    if model_plan is not None:
+        tp_plan = tp_plan if tp_plan is not None else model_plan.tp_plan
+        if pipeline_layers is None:
+            pipeline_layers = model_plan.pipeline_layers
+    blocks = tuple(model_plan.blocks) if model_plan is not None else ()
     names = tuple(p for p in policies or () if isinstance(p, str))
     if names:
         strategy = dataclasses.replace(strategy, adaptive=dataclasses.replace(
@@ -98,6 +108,12 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
     if local_grad_norm is None:
         local_grad_norm = needs_gns
 
+    if deg.tp_enabled and isinstance(tp_plan, Mapping):
+        from bigbatch.parallel.tensor_parallel import expand_plan
+
+        # On the whole model, before a pipeline keeps one stage of it: an entry that names
+        # no module (a typo) would otherwise leave that layer replicated without a word.
+        expand_plan(model, tp_plan)
     owns_group = world.is_distributed and not dist.is_initialized()
     init_distributed(dp, world)
     mesh = ParallelMesh(deg, world)
@@ -123,8 +139,8 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
         )
 
         # Every parameter a DTensor: norms, clipping and the loss scaler then see one kind.
-        apply_tensor_parallel(model, mesh.tp_mesh, present_plan(model, tp_plan),
-                              replicate_rest=True)
+        stage_plan = present_plan(model, tp_plan) if pipeline is not None else tp_plan
+        apply_tensor_parallel(model, mesh.tp_mesh, stage_plan, replicate_rest=True)
         loss_parallel = uses_loss_parallel(model)
     if (pipeline is not None and deg.dp_enabled and not deg.stage and not deg.tp_enabled
             and needs_gns):
@@ -138,7 +154,7 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
         apply_fsdp(model, mesh, stage=deg.stage, offload=strategy.sharding.offload,
                    param_dtype=torch.bfloat16 if autocast_dtype == torch.bfloat16 else None,
                    units=pipeline.fsdp_units() if pipeline is not None else None,
-                   root=one_root)
+                   root=one_root, unit_classes=blocks)
     inner, opt_strategy = None, strategy
     if world.is_distributed and not deg.needs_mesh:  # DDP over the default group
         from bigbatch.parallel.compression import DGC_OPTIMIZER, DGCState, reduce_hook

@@ -132,6 +132,9 @@ class Run:
         self.pipeline_norms: Any = None
         """A pipeline's noise-scale norms (`bigbatch.engine.pipeline_gns`), None elsewhere."""
         self._loss_parallel = loss_parallel
+        # Tensor parallelism may hand gradients back in another layout than the weights.
+        self._tp_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad] \
+            if self.mesh.degrees.tp_enabled else []
         self._comm = comm
         self._owns_group = owns_group
         self._step_time = 0.0
@@ -300,6 +303,8 @@ class Run:
         window, params = self.window, self.params
         local_count = window.count
         total_count = window.total_count() if window.mode == "count" else local_count
+        if self._tp_params:
+            _step.align_grads(self._tp_params)
         _step.normalize(window, params, self.mesh.data_degree)
         found_inf = _step.unscale(self.scaler, self.optimizer)
         # Taken every step: the comm hook starts a new sum once it is taken.

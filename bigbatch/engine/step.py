@@ -1,6 +1,7 @@
 """The optimizer step as named stages, each a function of the parts it needs.
 
-    normalize -> unscale (non-finite check) -> statistics -> clip -> optimizer step -> schedule
+    align -> normalize -> unscale (non-finite check) -> statistics -> clip -> optimizer step
+    -> schedule
 
 `Run` calls them in that order once the merge window's gradients are reduced
 (`Run._finish_step`); every gradient statistic (hooks, the logged norm,
@@ -19,11 +20,29 @@ from bigbatch.engine.merge import MergeWindow
 from bigbatch.optim._norms import local
 from bigbatch.optim.clip import clip_grads_
 
-__all__ = ["grad_norm", "normalize", "statistics", "unscale"]
+__all__ = ["align_grads", "grad_norm", "normalize", "statistics", "unscale"]
 
 
 def _grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None]
+
+
+def align_grads(named: list[tuple[str, torch.Tensor]]) -> None:
+    """Tensor parallelism: give every gradient its parameter's layout before any norm or
+    step. An untied vocabulary-parallel embedding's gradient comes back replicated while
+    its weight is sharded; redistributing to the weight's placements is a local slice."""
+    from torch.distributed.tensor import DTensor
+
+    for name, p in named:
+        g = p.grad
+        if g is None or not isinstance(p, DTensor):
+            continue
+        if not isinstance(g, DTensor) or g.shape != p.shape:
+            raise RuntimeError(f"the gradient of {name} ({type(g).__name__} of shape "
+                               f"{tuple(g.shape)}) does not match the parameter "
+                               f"({tuple(p.shape)})")
+        if g.placements != p.placements or g.device_mesh != p.device_mesh:
+            p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
 def normalize(window: MergeWindow, params: list[torch.Tensor], data_degree: int) -> None:

@@ -17,6 +17,7 @@ per step, so the optimizers behave exactly as on one worker.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -26,21 +27,40 @@ from bigbatch.parallel.mesh import ParallelMesh
 
 __all__ = ["apply_fsdp", "shard_units", "zero_optimizer"]
 
+log = logging.getLogger("bigbatch.sharding")
 
-def shard_units(model: nn.Module) -> list[nn.Module]:
-    """The modules FSDP2 shards one by one before the root: the entries of the model's
-    top-level `nn.Sequential` / `nn.ModuleList` containers that hold parameters (a
-    Transformer's blocks). What is left (embeddings, heads, norms) goes with the root."""
-    units = []
-    for child in model.children():
-        if isinstance(child, (nn.Sequential, nn.ModuleList)):
-            units += [m for m in child if next(m.parameters(), None) is not None]
-    return units
+
+def shard_units(model: nn.Module, classes: tuple[str | type, ...] = ()) -> list[nn.Module]:
+    """The modules FSDP2 shards one by one before the root, outermost first:
+
+    - the entries of every `nn.ModuleList` anywhere in the model (a Transformer's blocks:
+      HF's ``model.layers``, ``transformer.h``, ``encoder.layer``), and of the model's
+      top-level `nn.Sequential` containers;
+    - every module of a class in `classes` (a class or its name), for models that keep
+      their blocks otherwise.
+
+    Only modules that hold parameters count, and none inside another unit: what is left
+    (embeddings, heads, norms) goes with the root.
+    """
+    names = {c if isinstance(c, str) else c.__name__ for c in classes}
+    picked: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(p + ".") for p, _ in picked):
+            continue  # inside a unit already taken
+        top = "." not in name and name != ""
+        if type(module).__name__ in names and name:
+            picked.append((name, module))
+            continue
+        if isinstance(module, nn.ModuleList) or (top and isinstance(module, nn.Sequential)):
+            picked += [(f"{name}.{i}", m) for i, m in enumerate(module)
+                       if next(m.parameters(), None) is not None]
+    return [m for _, m in picked]
 
 
 def apply_fsdp(model: nn.Module, mesh: ParallelMesh, *, stage: int, offload: bool = False,
                param_dtype: torch.dtype | None = None,
-               units: list[nn.Module] | None = None, root: bool = True) -> nn.Module:
+               units: list[nn.Module] | None = None, root: bool = True,
+               unit_classes: tuple[str | type, ...] = ()) -> nn.Module:
     """`fully_shard` each unit, then the root, over the mesh's data-parallel dimensions.
 
     `stage` 3 frees gathered parameters after each unit's forward; 2 keeps them until
@@ -48,7 +68,11 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, *, stage: int, offload: boo
     1) makes FSDP2 a plain all-reduce. `param_dtype`: compute dtype of FSDP2's
     mixed-precision policy (gradients are reduced in float32). `root=False` leaves the
     root alone: a module whose own forward never runs (interleaved pipeline chunks call
-    its parts), so its units are roots of their own.
+    its parts), so its units are roots of their own. `unit_classes`: block classes
+    sharded as units besides the `nn.ModuleList` entries (`shard_units`).
+
+    Stage 3 with no unit gathers every parameter at once in forward (ZeRO-2's memory):
+    a one-line warning says so and how to name the blocks.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -60,7 +84,12 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, *, stage: int, offload: boo
     if param_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype,
                                                    reduce_dtype=torch.float32)
-    for unit in shard_units(model) if units is None else units:
+    chosen = shard_units(model, unit_classes) if units is None else units
+    if stage == 3 and not chosen and root:
+        log.warning("ZeRO-3: %s has no repeated blocks (no nn.ModuleList of blocks): only the "
+                    "root is sharded, so forward gathers every parameter at once; name the "
+                    "block class (model plan `blocks=`)", type(model).__name__)
+    for unit in chosen:
         fully_shard(unit, **kwargs)
     if root:
         fully_shard(model, **kwargs)

@@ -1,0 +1,192 @@
+"""Small models written the way Hugging Face writes them, for the parallel tests.
+
+- `Llama`: ``model.embed_tokens -> model.layers (ModuleList) -> model.norm``, an untied
+  ``lm_head``, rotary embeddings computed once by the model and passed to every layer,
+  q/k/v/o and gate/up/down projections, heads viewed with ``-1`` (as HF does), so
+  column-parallel projections work on local heads.
+- `GPT2`: ``transformer.wte/wpe -> transformer.h (ModuleList) -> transformer.ln_f`` and an
+  untied ``lm_head``; its projections are HF's ``Conv1D`` (weight stored transposed,
+  ``(in, out)``).
+
+Nothing here is bigbatch's: these stand in for a user's model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, D, HEADS, FFN, LAYERS, SEQ = 64, 32, 4, 64, 3, 8
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+def rotary(seq: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(seq).float(), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_dim = D // HEADS
+        self.q_proj = nn.Linear(D, D, bias=False)
+        self.k_proj = nn.Linear(D, D, bias=False)
+        self.v_proj = nn.Linear(D, D, bias=False)
+        self.o_proj = nn.Linear(D, D, bias=False)
+
+    def forward(self, x, position_embeddings):
+        b, t, _ = x.shape
+        shape = (b, t, -1, self.head_dim)
+        q, k, v = (p(x).view(shape).transpose(1, 2) for p in (self.q_proj, self.k_proj,
+                                                               self.v_proj))
+        cos, sin = position_embeddings
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(D, FFN, bias=False)
+        self.up_proj = nn.Linear(D, FFN, bias=False)
+        self.down_proj = nn.Linear(FFN, D, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(D)
+        self.self_attn = LlamaAttention()
+        self.post_attention_layernorm = RMSNorm(D)
+        self.mlp = LlamaMLP()
+
+    def forward(self, x, position_embeddings):
+        x = x + self.self_attn(self.input_layernorm(x), position_embeddings)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, D)
+        self.layers = nn.ModuleList(LlamaDecoderLayer() for _ in range(LAYERS))
+        self.norm = RMSNorm(D)
+
+    def forward(self, ids):
+        x = self.embed_tokens(ids)
+        pos = rotary(ids.shape[1], D // HEADS)
+        for layer in self.layers:
+            x = layer(x, pos)
+        return self.norm(x)
+
+
+class Llama(nn.Module):
+    """``LlamaForCausalLM``'s layout: ``model`` and an untied ``lm_head``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = LlamaModel()
+        self.lm_head = nn.Linear(D, VOCAB, bias=False)
+
+    def forward(self, ids):
+        return self.lm_head(self.model(ids))
+
+
+class Conv1D(nn.Module):
+    """HF's GPT-2 projection: ``x @ weight + bias`` with ``weight`` of shape (in, out)."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, x.size(-1)), self.weight).view(
+            *x.shape[:-1], self.nf)
+
+
+class GPT2Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(D)
+        self.c_attn = Conv1D(3 * D, D)
+        self.c_proj = Conv1D(D, D)
+        self.ln_2 = nn.LayerNorm(D)
+        self.c_fc = Conv1D(FFN, D)
+        self.mlp_proj = Conv1D(D, FFN)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(D, dim=-1)
+        q, k, v = (z.view(b, t, HEADS, -1).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(a.transpose(1, 2).reshape(b, t, D))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class GPT2Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, D)
+        self.wpe = nn.Embedding(SEQ, D)
+        self.h = nn.ModuleList(GPT2Block() for _ in range(LAYERS))
+        self.ln_f = nn.LayerNorm(D)
+
+    def forward(self, ids):
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.h:
+            x = block(x)
+        return self.ln_f(x)
+
+
+class GPT2(nn.Module):
+    """``GPT2LMHeadModel``'s layout with the head untied."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = GPT2Model()
+        self.lm_head = nn.Linear(D, VOCAB, bias=False)
+
+    def forward(self, ids):
+        return self.lm_head(self.transformer(ids))
+
+
+#: The tensor-parallel plan a Llama user writes (Megatron's split, HF's names).
+LLAMA_TP_PLAN = {
+    "model.embed_tokens": "vocab_embedding",
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "lm_head": "vocab_head",
+}
+
+
+def make(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    return {"llama": Llama, "gpt2": GPT2}[name]()
