@@ -85,11 +85,6 @@ def lamb_trust_ratio(w_norm: Scalar, u_norm: Scalar, trust_clip: bool) -> Scalar
     return _where(skip, 1.0, ratio)
 
 
-def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """Divisor that brings a global gradient norm down to ``max_norm`` (1 if below)."""
-    return torch.where(total_norm > max_norm, total_norm / max_norm, 1.0)
-
-
 def adam_direction(out: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
                    beta1: float, beta2: float, eps: float, step: int | None) -> None:
     """The readable Adam kernel: update the moments, write ``r = m_hat / (sqrt(v_hat) + eps)``.

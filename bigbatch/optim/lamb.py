@@ -9,8 +9,8 @@ Update, as in PaddlePaddle Fleet's ``lamb`` kernel::
     u = r + lamb_weight_decay * w
     w = w - lr * ||w|| / ||u|| * u           (ratio 1 when either norm is 0)
 
-With ``max_grad_norm`` the gradients are first divided by their global norm
-when it exceeds the bound (in place, like ``clip_grad_norm_``), as NVIDIA's
+With ``max_grad_norm`` the gradients are first scaled onto the bound when their global norm
+exceeds it (in place, `bigbatch.optim.clip`, like ``clip_grad_norm_``), as NVIDIA's
 LAMB does.
 
 Kernels, behind one function ``lamb(params, grads, states, ..., kernel=)``
@@ -51,7 +51,8 @@ from ._norms import (
     whole_norms,
 )
 from ._params import check_range
-from ._steps import adam_direction, clip_coefficient, lamb_trust_ratio
+from ._steps import adam_direction, lamb_trust_ratio
+from .clip import clip_grads_
 
 __all__ = ["LAMB", "lamb"]
 
@@ -207,16 +208,11 @@ class LAMB(LayerwiseOptimizer):
 
 
 def _clip_gradients(params, grads, max_grad_norm: float, kernel: str) -> None:
-    """Divide all gradients by ``clip_coefficient`` of their global (whole-tensor) norm."""
-    coef = clip_coefficient(global_norm(list(grads)), max_grad_norm)
-    local_grads = [local(g) for g in grads]
-    if kernel != "multi_tensor":
-        if coef.item() != 1.0:
-            torch._foreach_div_(local_grads, coef.item())
-        return
-    for idx in by_device_and_dtype(params):
-        bucket = [local_grads[i] for i in idx]
-        torch._foreach_div_(bucket, coef.to(device=bucket[0].device, dtype=bucket[0].dtype))
+    """Clip the global (whole-tensor) gradient norm to `max_grad_norm`: the engine's
+    clipping function (`bigbatch.optim.clip`); the Triton kernel does the same in its
+    first pass."""
+    grads = list(grads)
+    clip_grads_(grads, global_norm(grads), max_grad_norm)
 
 
 def _reference_or_multi_tensor(runs, kernel: str, ratios: list | None) -> None:
