@@ -10,7 +10,9 @@ every layer, ``Conv1D`` projections), and nothing of bigbatch's is private here:
 - after 10 steps the weights equal one process's (float32, 1e-5 of each tensor's
   norm) for stage 2,
   stage 3 and tensor parallel 2 with an untied vocabulary-parallel embedding;
-- a plan entry that names no module is refused in one line naming it.
+- a plan entry that names no module is refused in one line naming it;
+- `run.save_state` + `run.load_state` in the middle of a stage-3 run equals the run
+  left alone, and the same state resumes in one process (DCP reshards it).
 """
 
 from __future__ import annotations
@@ -59,9 +61,9 @@ def full_state(model) -> dict[str, torch.Tensor]:
             for k, v in model.state_dict().items()}
 
 
-def train(run, rows: slice) -> dict[str, torch.Tensor]:
+def train(run, rows: slice, steps: range = range(STEPS)) -> dict[str, torch.Tensor]:
     data = tokens()
-    for step in range(STEPS):
+    for step in steps:
         x, y = data[step, rows, :-1], data[step, rows, 1:]
         with run.micro_step() as ms:
             logits = run.model(x)
@@ -91,7 +93,7 @@ def unsharded_peak(run) -> float:
     return peak[0] / total
 
 
-def _worker() -> dict:
+def _worker(state_dir: str) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
     rank = int(os.environ["RANK"])
@@ -106,12 +108,28 @@ def _worker() -> dict:
         data_rank = rank if layout != "tp2" else 0
         per = GLOBAL // (W if layout != "tp2" else 1)
         out[(name, layout)] = train(run, slice(data_rank * per, (data_rank + 1) * per))
+    # Stop after 5 steps, save, rebuild everything, load, finish: as if never stopped.
+    rows = slice(rank * GLOBAL // W, (rank + 1) * GLOBAL // W)
+    run = prepare(make("llama"), strategy("stage3"), total_steps=STEPS)
+    train(run, rows, range(5))
+    run.save_state(state_dir, extra={"next_step": 5})
+    run = prepare(make("gpt2"), strategy(None), total_steps=STEPS)  # another model meanwhile
+    run = prepare(make("llama"), strategy("stage3"), total_steps=STEPS)
+    out["extra"] = run.load_state(state_dir)
+    out["resumed"] = train(run, rows, range(out["extra"]["next_step"], STEPS))
+    out["whole"] = run.whole_state_dict()
     return out
 
 
 @pytest.fixture(scope="module")
-def parallel():
-    return run_workers(_worker, world_size=W, timeout=240, init_group=True)
+def state_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("state") / "llama-stage3"
+
+
+@pytest.fixture(scope="module")
+def parallel(state_dir):
+    return run_workers(_worker, world_size=W, args=(str(state_dir),), timeout=240,
+                       init_group=True)
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +173,50 @@ def test_misspelled_plan_entry_is_refused_naming_it():
                                           r"module of Llama"):
         prepare(make("llama"), strategy("tp2"), total_steps=STEPS,
                 world=World(rank=0, world_size=2), model_plan=ModelPlan(tp_plan=plan))
+
+
+def _close(got, ref):
+    for key, want in ref.items():
+        err = float((got[key] - want).norm() / want.norm().clamp_min(1e-12))
+        assert err <= 1e-5, (key, err)
+
+
+def test_save_and_load_state_mid_run_under_stage3(parallel, single, state_dir):
+    for rank in range(W):
+        assert parallel[rank]["extra"] == {"next_step": 5}
+        _close(parallel[rank]["resumed"], single["llama"])
+    _close(parallel[0]["whole"], single["llama"])  # the unsplit model's, on rank 0
+    assert sorted(p.name for p in state_dir.parent.iterdir()) == [state_dir.name]  # no temp
+
+
+def test_a_two_rank_stage3_state_resumes_in_one_process(parallel, state_dir):
+    run = prepare(make("llama"), strategy("stage3"), total_steps=STEPS, world=World())
+    assert run.load_state(state_dir) == {"next_step": 5} and run.step == 5
+    # The checkpoint's batch, on one worker: micro-batches of 4, merged in pairs.
+    micro, k = run.plan.micro_batch_size, run.k_steps
+    assert micro * k == GLOBAL
+    data = tokens()
+    for step in range(5, STEPS):
+        for j in range(k):
+            x = data[step, j * micro:(j + 1) * micro]
+            with run.micro_step() as ms:
+                logits = run.model(x[:, :-1])
+                ms.backward(F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()))
+    assert run.step == STEPS
+    _close(full_state(run.module), parallel[0][("llama", "stage3")])
+
+
+def test_save_state_never_replaces_a_directory_it_did_not_write(tmp_path):
+    mine = tmp_path / "notes"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("mine")
+    run = prepare(make("llama"), strategy(None), total_steps=STEPS, world=World())
+    with pytest.raises(ConfigError, match="exists and is not a state bigbatch wrote"):
+        run.save_state(mine)
+    assert [p.name for p in mine.iterdir()] == ["keep.txt"]
+    train(run, slice(0, GLOBAL), range(3))
+    run.save_state(tmp_path / "s", extra={"epoch": 1})
+    run.save_state(tmp_path / "s", extra={"epoch": 2})  # its own: replaced whole
+    again = prepare(make("llama"), strategy(None), total_steps=STEPS, world=World())
+    assert again.load_state(tmp_path / "s") == {"epoch": 2} and again.step == 3
+    _close(full_state(again.module), full_state(run.module))

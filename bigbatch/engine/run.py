@@ -1,16 +1,7 @@
 """`Run`: a Strategy applied to your own training loop (Fleet's `distributed_optimizer`);
-`bigbatch.engine.prepare` builds it. The package docstring (`bigbatch.engine`) is the guide.
-
-A run is a few parts, each the one owner of its state:
-
-- `clock` (`ScheduleClock`): the schedule, progress, step counters and the LR;
-- `window` (`MergeWindow`): the merge window, loss scaling and gradient sync;
-- `batch` (`BatchControl`): the batch in force and its changes;
-- `scaler` (`LossScaler`), the optimizer, and the helpers in `state_objects`.
-
-`Run` wires them: `micro_step()` hands the window to a `MicroStep`, and
-`_finish_step` runs the step's stages (`bigbatch.engine.step`) in order.
-"""
+`bigbatch.engine.prepare` builds it. The package docstring (`bigbatch.engine`) is the guide,
+and its end tours the parts (`clock`, `window`, `batch`) that each own a piece of the state:
+`Run` wires them, and `_finish_step` runs the step's stages (`bigbatch.engine.step`)."""
 
 from __future__ import annotations
 
@@ -25,6 +16,7 @@ from torch import nn
 
 from bigbatch.config.parallelism import degrees
 from bigbatch.engine import adaptive as _adaptive
+from bigbatch.engine import saving as _saving
 from bigbatch.engine import state as _run_state
 from bigbatch.engine import step as _step
 from bigbatch.engine.amp import LossScaler
@@ -169,11 +161,8 @@ class Run:
     def lr_scale(self, value: float) -> None:
         self.clock.set_lr_scale(value)
 
-    @property
-    def comm(self) -> CommState | None:
-        """The data-parallel comm hook's state (`bigbatch.parallel.data_parallel`), None
-        without DDP."""
-        return self._comm
+    comm = property(lambda self: self._comm,
+                    doc="The DDP comm hook's state (`bigbatch.parallel.data_parallel`), or None.")
 
     @property
     def policies(self) -> Any:
@@ -249,10 +238,7 @@ class Run:
         """Learning rate the optimizer gets at schedule position `progress`."""
         return self.clock.lr_at(progress)
 
-    @property
-    def done(self) -> bool:
-        """Whether the schedule's length is reached (`progress >= total_steps`)."""
-        return self.clock.done
+    done = _delegate("clock", "done", "Whether the schedule's length is reached.")
 
     def _add_step_time(self, t0: float) -> None:
         if self.sync_timing and self.world.device.type == "cuda":
@@ -382,6 +368,21 @@ class Run:
         registered helpers (noise scale, AdaScale, goodput) load first and carry over.
         """
         _run_state.load_state_dict(self, state, self._comm)
+
+    def save_state(self, directory: Any, extra: dict[str, Any] | None = None) -> Any:
+        """Collective: model (DCP shards when sharded), optimizer, LR clock, loss scaler,
+        RNG, adaptive and policy state and your `extra` dict, atomically into `directory`
+        (`bigbatch.engine.saving`)."""
+        return _saving.save_state(self, directory, extra)
+
+    def load_state(self, directory: Any) -> dict[str, Any]:
+        """Collective: restore a `save_state` directory (resharding on another world size);
+        returns its `extra` dict."""
+        return _saving.load_state(self, directory)
+
+    def whole_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the unsplit model's state dict on rank 0 (for `save_pretrained`)."""
+        return _saving.whole_state_dict(self)
 
     def close(self) -> None:
         """Tear down the process group if `prepare()` created it."""
