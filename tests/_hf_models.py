@@ -187,6 +187,17 @@ LLAMA_TP_PLAN = {
 }
 
 
+#: GPT-2's: the MLP's ``Conv1D`` layers split column- then row-wise, embedding and head by
+#: vocabulary. Its attention stays whole: ``c_attn`` is q, k and v fused in one output, which
+#: a column split would cut across the three (Megatron interleaves them; HF's code does not).
+GPT2_TP_PLAN = {
+    "transformer.wte": "vocab_embedding",
+    "transformer.h.*.c_fc": "conv1d_colwise",
+    "transformer.h.*.mlp_proj": "conv1d_rowwise",
+    "lm_head": "vocab_head",
+}
+
+
 def make(name: str) -> nn.Module:
     torch.manual_seed(0)
     return {"llama": Llama, "gpt2": GPT2}[name]()

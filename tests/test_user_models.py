@@ -9,7 +9,8 @@ every layer, ``Conv1D`` projections), and nothing of bigbatch's is private here:
   at most the root plus about one block is unsharded at any point of forward;
 - after 10 steps the weights equal one process's (float32, 1e-5 of each tensor's
   norm) for stage 2,
-  stage 3 and tensor parallel 2 with an untied vocabulary-parallel embedding;
+  stage 3 and tensor parallel 2 with an untied vocabulary-parallel embedding (GPT-2's
+  ``Conv1D`` MLP split by the transposed styles);
 - a plan entry that names no module is refused in one line naming it;
 - `run.save_state` + `run.load_state` in the middle of a stage-3 run equals the run
   left alone, and the same state resumes in one process (DCP reshards it).
@@ -23,7 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _dist import run_workers
-from _hf_models import LLAMA_TP_PLAN, SEQ, VOCAB, D, make
+from _hf_models import GPT2_TP_PLAN, LLAMA_TP_PLAN, SEQ, VOCAB, D, make
 
 from bigbatch.config.strategy import Strategy
 from bigbatch.engine.prepare import prepare
@@ -33,7 +34,8 @@ from bigbatch.parallel.world import World
 
 W, STEPS, GLOBAL = 2, 10, 8
 CASES = [("llama", "stage2"), ("llama", "stage3"), ("gpt2", "stage2"), ("gpt2", "stage3"),
-         ("llama", "tp2")]
+         ("llama", "tp2"), ("gpt2", "tp2")]
+TP_PLANS = {"llama": LLAMA_TP_PLAN, "gpt2": GPT2_TP_PLAN}
 
 
 def strategy(layout: str | None) -> Strategy:
@@ -99,7 +101,7 @@ def _worker(state_dir: str) -> dict:
     rank = int(os.environ["RANK"])
     out = {}
     for name, layout in CASES:
-        plan = ModelPlan(tp_plan=LLAMA_TP_PLAN) if layout == "tp2" else None
+        plan = ModelPlan(tp_plan=TP_PLANS[name]) if layout == "tp2" else None
         run = prepare(make(name), strategy(layout), total_steps=STEPS, model_plan=plan)
         if layout == "stage3":
             blocks = run.module.model.layers if name == "llama" else run.module.transformer.h

@@ -18,6 +18,8 @@ torch `ParallelStyle` or one of `STYLES`:
   embeddings replicated out (`RowwiseParallel(input_layouts=Replicate())`).
 - `vocab_head`: an `nn.Linear` LM head split on the vocabulary; its output stays a DTensor
   sharded on the last dim, for `loss_parallel` (the full logits are never gathered).
+- `conv1d_colwise`, `conv1d_rowwise`: the same splits for a layer whose weight is stored
+  ``(in, out)``, as Hugging Face's ``Conv1D`` (GPT-2): ``x @ weight + bias``.
 - `replicate`: a module's parameters become Replicate DTensors (whole on every rank),
   plain tensors in and out. `replicate_rest=True` gives it to every module the plan leaves
   out, so that all parameters are DTensors (torch's `clip_grad_norm_`, `GradScaler` and
@@ -38,7 +40,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -48,31 +50,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 from bigbatch.errors import ConfigError
+from bigbatch.parallel.tp_styles import ReplicateParallel, TransposedColwise, TransposedRowwise
 
 Style = str | ParallelStyle
 Plan = Mapping[str, Style] | Callable[[nn.Module, DeviceMesh], nn.Module]
-
-
-class ReplicateParallel(ParallelStyle):
-    """A module's parameters and buffers as Replicate DTensors (rank 0's values, like the
-    other styles); its tensor inputs are taken as replicated and its outputs given back as
-    plain tensors. Gradients need no communication: every rank computes the same ones."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, None, _inputs_as_replicated,
-                                 _outputs_as_local)
-
-
-def _inputs_as_replicated(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-    return tuple(DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
-                 if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t
-                 for t in inputs)
-
-
-def _outputs_as_local(module: nn.Module, outputs, mesh: DeviceMesh):
-    if isinstance(outputs, tuple | list):
-        return type(outputs)(_outputs_as_local(module, o, mesh) for o in outputs)
-    return outputs.to_local() if isinstance(outputs, DTensor) else outputs
 
 
 #: Our style names -> (module types they apply to, the torch style they stand for).
@@ -83,6 +64,8 @@ STYLES: dict[str, tuple[tuple[type, ...], Callable[[], ParallelStyle]]] = {
     "vocab_head": ((nn.Linear,), lambda: ColwiseParallel(
         input_layouts=Replicate(), use_local_output=False)),
     "replicate": ((nn.Module,), ReplicateParallel),
+    "conv1d_colwise": ((nn.Module,), TransposedColwise),
+    "conv1d_rowwise": ((nn.Module,), TransposedRowwise),
 }
 VOCAB_STYLES = ("vocab_embedding", "vocab_head")
 
@@ -147,7 +130,14 @@ def check_plan(model: nn.Module, plan: Plan, degree: int) -> None:
         return
     for name, style in expand_plan(model, plan).items():
         module = model.get_submodule(name)
-        if style in ("colwise", "rowwise") and isinstance(module, nn.Linear):
+        if style in ("conv1d_colwise", "conv1d_rowwise"):  # weight (in, out)
+            dim = 1 if style == "conv1d_colwise" else 0
+            if getattr(module, "weight", torch.empty(0, 0)).ndim == 2 and (
+                    module.weight.shape[dim] % degree):
+                raise ConfigError(f"tensor-parallel plan: {name}.weight dim {dim} "
+                                  f"({module.weight.shape[dim]}) is not divisible by "
+                                  f"tensor_parallel_degree={degree}")
+        elif style in ("colwise", "rowwise") and isinstance(module, nn.Linear):
             features = "out_features" if style == "colwise" else "in_features"
             size = getattr(module, features)
             if size % degree:
