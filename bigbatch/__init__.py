@@ -27,6 +27,7 @@ _WHERE = {
     "Strategy": "bigbatch.config", "BatchPlan": "bigbatch.config",
     "Schedule": "bigbatch.config", "scale_lr": "bigbatch.config",
     "prepare": "bigbatch.engine", "Run": "bigbatch.engine",
+    "ModelPlan": "bigbatch.parallel.model_plan",
     "TrainConfig": "bigbatch.train", "get_task": "bigbatch.tasks",
     "GradientNoiseScale": "bigbatch.adaptive", "AdaScale": "bigbatch.adaptive",
     "Policy": "bigbatch.adaptive",
@@ -41,7 +42,7 @@ _WHERE = {
 __all__ = [
     "LARS", "LAMB", "param_groups",
     "Strategy", "BatchPlan", "Schedule", "scale_lr",
-    "prepare", "Run", "Policy",
+    "prepare", "Run", "Policy", "ModelPlan",
     "TrainConfig", "get_task",
     "GradientNoiseScale", "AdaScale",
     "ConfigError",

@@ -222,3 +222,18 @@ def test_save_state_never_replaces_a_directory_it_did_not_write(tmp_path):
     again = prepare(make("llama"), strategy(None), total_steps=STEPS, world=World())
     assert again.load_state(tmp_path / "s") == {"epoch": 2} and again.step == 3
     _close(full_state(again.module), full_state(run.module))
+
+
+def test_own_model_page_runs_as_written(tmp_path, monkeypatch):
+    """docs/own-model.md's example (with `state_dir` given) runs as written."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "own-model.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
+    assert blocks
+    monkeypatch.chdir(tmp_path)
+    for code in blocks:
+        ns = {"state_dir": tmp_path / "state"}
+        exec(compile(code, "docs/own-model.md", "exec"), ns)
+        assert set(ns["weights"]) == set(ns["LM"]().state_dict())
