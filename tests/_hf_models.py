@@ -198,6 +198,27 @@ GPT2_TP_PLAN = {
 }
 
 
+def llama_layers(model: Llama) -> list:
+    """The pipeline chain a Llama user writes: rotary cos/sin made on each block's stage."""
+    from bigbatch.parallel.pipeline import decoder_layers
+
+    return decoder_layers(model, embed="model.embed_tokens", blocks="model.layers",
+                          norm="model.norm", head="lm_head",
+                          block_args=lambda x: (rotary(x.shape[1], D // HEADS),))
+
+
+def gpt2_layers(model: GPT2) -> list:
+    """GPT-2's: token plus position embeddings, then the blocks, ``ln_f`` and the head."""
+    from bigbatch.parallel.pipeline import decoder_layers
+
+    def embed(m, ids):
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        return m.transformer.wte(ids) + m.transformer.wpe(pos)
+
+    return decoder_layers(model, embed=("transformer.wte", "transformer.wpe"), embed_run=embed,
+                          blocks="transformer.h", norm="transformer.ln_f", head="lm_head")
+
+
 def make(name: str) -> nn.Module:
     torch.manual_seed(0)
     return {"llama": Llama, "gpt2": GPT2}[name]()

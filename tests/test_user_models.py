@@ -24,7 +24,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _dist import run_workers
-from _hf_models import GPT2_TP_PLAN, LLAMA_TP_PLAN, SEQ, VOCAB, D, make
+from _hf_models import (
+    GPT2_TP_PLAN,
+    LLAMA_TP_PLAN,
+    SEQ,
+    VOCAB,
+    D,
+    gpt2_layers,
+    llama_layers,
+    make,
+)
 
 from bigbatch.config.strategy import Strategy
 from bigbatch.engine.prepare import prepare
@@ -34,8 +43,9 @@ from bigbatch.parallel.world import World
 
 W, STEPS, GLOBAL = 2, 10, 8
 CASES = [("llama", "stage2"), ("llama", "stage3"), ("gpt2", "stage2"), ("gpt2", "stage3"),
-         ("llama", "tp2"), ("gpt2", "tp2")]
+         ("llama", "tp2"), ("gpt2", "tp2"), ("llama", "pp2"), ("gpt2", "pp2")]
 TP_PLANS = {"llama": LLAMA_TP_PLAN, "gpt2": GPT2_TP_PLAN}
+LAYERS = {"llama": llama_layers, "gpt2": gpt2_layers}
 
 
 def strategy(layout: str | None) -> Strategy:
@@ -48,6 +58,8 @@ def strategy(layout: str | None) -> Strategy:
         d["sharding"] = {"stage": int(layout[-1])}
     elif layout == "tp2":
         d["tensor_parallel"] = {"tensor_parallel_degree": 2}
+    elif layout == "pp2":
+        d["pipeline"] = {"pp_degree": 2, "accumulate_steps": 2}
     return Strategy.from_dict(d)
 
 
@@ -71,6 +83,20 @@ def train(run, rows: slice, steps: range = range(STEPS)) -> dict[str, torch.Tens
             logits = run.model(x)
             ms.backward(F.cross_entropy(logits.flatten(0, 1), y.flatten()))
         assert ms.stepped
+    return full_state(run.module)
+
+
+def train_pipeline(run) -> dict[str, torch.Tensor]:
+    """Every rank calls `pipeline_step` with the whole batch; the step divides the summed
+    token loss by the global count, which is one process's mean loss. Returns this
+    rank's stage's weights."""
+    data = tokens()
+
+    def loss(logits, y):
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum"), y.numel()
+
+    for step in range(STEPS):
+        run.pipeline_step(data[step, :, :-1], data[step, :, 1:], loss)
     return full_state(run.module)
 
 
@@ -101,8 +127,13 @@ def _worker(state_dir: str) -> dict:
     rank = int(os.environ["RANK"])
     out = {}
     for name, layout in CASES:
-        plan = ModelPlan(tp_plan=TP_PLANS[name]) if layout == "tp2" else None
-        run = prepare(make(name), strategy(layout), total_steps=STEPS, model_plan=plan)
+        model = make(name)
+        plan = ModelPlan(tp_plan=TP_PLANS[name]) if layout == "tp2" else (
+            ModelPlan(pipeline_layers=LAYERS[name](model)) if layout == "pp2" else None)
+        run = prepare(model, strategy(layout), total_steps=STEPS, model_plan=plan)
+        if layout == "pp2":
+            out[(name, layout)] = train_pipeline(run)
+            continue
         if layout == "stage3":
             blocks = run.module.model.layers if name == "llama" else run.module.transformer.h
             out[(name, "units")] = [isinstance(b, FSDPModule) for b in blocks]
@@ -144,10 +175,13 @@ def single():
 def test_user_model_equals_one_process(parallel, single, name, layout):
     """Each tensor within 1e-5 of one process's, relative to its norm (elementwise,
     Adam's direction on gradients that are rounding noise, ~1e-7, differs there)."""
+    seen = set()
     for rank in range(W):
         got = parallel[rank][(name, layout)]
-        assert set(got) == set(single[name])
-        for key, ref in single[name].items():
+        seen |= set(got)
+        assert set(got) <= set(single[name])  # a pipeline stage holds part of the model
+        for key in got:
+            ref = single[name][key]
             a, b = got[key], ref
             if key.endswith("c_attn.bias"):
                 # The key bias's gradient is exactly 0 (softmax ignores a constant added to
@@ -156,6 +190,7 @@ def test_user_model_equals_one_process(parallel, single, name, layout):
                 a, b = torch.cat([a[:D], a[2 * D:]]), torch.cat([b[:D], b[2 * D:]])
             err = float((a - b).norm() / b.norm().clamp_min(1e-12))
             assert err <= 1e-5, (key, err)
+    assert seen == set(single[name])
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])

@@ -30,7 +30,8 @@ from torch import nn
 
 from bigbatch.errors import ConfigError
 
-__all__ = ["Layer", "model_layers", "prune_to_stage", "split_layers", "tied_parameters"]
+__all__ = ["Layer", "decoder_layers", "model_layers", "prune_to_stage", "split_layers",
+           "tied_parameters"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,47 @@ def model_layers(model: nn.Module) -> list[Layer]:
         return [module_layer(name) for name, _ in model.named_children()]
     raise ConfigError(
         f"[pipeline]: {type(model).__name__} is not a chain of layers bigbatch knows; give it "
-        "a pipeline_layers() method or pass prepare(..., pipeline_layers=[...])")
+        "a pipeline_layers() method or pass prepare(..., pipeline_layers=[...]) (for a "
+        "decoder: bigbatch.parallel.pipeline.decoder_layers)")
+
+
+def _embed(names: tuple[str, ...], run: Callable | None, model: nn.Module,
+           ids: torch.Tensor) -> torch.Tensor:
+    if run is not None:
+        return run(model, ids)
+    return model.get_submodule(names[0])(ids)
+
+
+def _block(name: str, args: Callable | None, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    block = model.get_submodule(name)
+    return block(x) if args is None else block(x, *args(x))
+
+
+def decoder_layers(model: nn.Module, *, embed: str | Sequence[str], blocks: str,
+                   norm: str | None = None, head: str | None = None,
+                   block_args: Callable[[torch.Tensor], tuple] | None = None,
+                   embed_run: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+                   shared: Sequence[str] = ()) -> list[Layer]:
+    """The chain of a model shaped like Hugging Face's decoders: embeddings -> each block of
+    the `nn.ModuleList` `blocks` -> `norm` -> `head` (module names, e.g. ``model.layers``).
+
+    `block_args(x)`: what every block needs besides the hidden states ``x`` (rotary cos/sin,
+    an attention mask), computed on the stage that runs the block from ``x`` alone, so
+    only hidden states cross stages; a block runs as ``block(x, *block_args(x))``.
+    `embed_run(model, ids)`: the embedding layer's computation when it is more than
+    ``model.<embed>(ids)`` (GPT-2 adds position embeddings); `embed` then names every
+    module it uses. `shared`: modules every block uses (a rotary module with buffers).
+    """
+    names = (embed,) if isinstance(embed, str) else tuple(embed)
+    container = model.get_submodule(blocks)
+    if not isinstance(container, nn.ModuleList):
+        raise ConfigError(f"decoder_layers: {blocks!r} is {type(container).__name__}, not the "
+                          "nn.ModuleList of the model's blocks")
+    layers = [Layer("embed", names, functools.partial(_embed, names, embed_run))]
+    layers += [Layer(f"{blocks}.{i}", (f"{blocks}.{i}", *shared),
+                     functools.partial(_block, f"{blocks}.{i}", block_args))
+               for i in range(len(container))]
+    return layers + [module_layer(n) for n in (norm, head) if n is not None]
 
 
 def _layer_params(model: nn.Module, layer: Layer) -> list[nn.Parameter]:
