@@ -20,3 +20,8 @@ class PolicyStop(Exception):  # noqa: N818 - a requested end, not an error
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = int(status)
+
+
+class PipelineError(RuntimeError):
+    """A pipeline stage failed: every rank of the pipeline raises it, naming the stage and
+    the layer where the error happened and the original error (`__cause__` on that rank)."""

@@ -272,3 +272,44 @@ def test_own_model_page_runs_as_written(tmp_path, monkeypatch):
         ns = {"state_dir": tmp_path / "state"}
         exec(compile(code, "docs/own-model.md", "exec"), ns)
         assert set(ns["weights"]) == set(ns["LM"]().state_dict())
+
+
+def _failing_stage() -> dict:
+    """Stage 1's third block raises; the user's code catches the error and meets a
+    collective, as a loop that logs and goes on would."""
+    import torch.distributed as dist
+
+    from bigbatch.errors import PipelineError
+
+    rank = int(os.environ["RANK"])
+    model = make("llama")
+    if rank == 1:
+        def broken(x, *args):
+            raise ValueError("mat1 and mat2 shapes cannot be multiplied (planted)")
+        model.model.layers[2].forward = broken
+    run = prepare(model, strategy("pp2"), total_steps=STEPS,
+                  model_plan=ModelPlan(pipeline_layers=llama_layers(model)))
+    data = tokens()
+    try:
+        run.pipeline_step(data[0, :, :-1], data[0, :, 1:], lambda out, y: (
+            F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="sum"), y.numel()))
+    except PipelineError as e:
+        message = str(e)
+    try:
+        dist.barrier()
+        after = "the barrier passed"
+    except Exception as e:  # noqa: BLE001
+        after = type(e).__name__
+    return {"message": message, "after": after}
+
+
+def test_a_failing_stage_is_named_on_every_rank_and_nobody_waits():
+    """Both ranks raise one PipelineError naming stage 1, the layer and the error, within
+    the spawn's 90 s (the group's own timeout is 300 s); a collective afterwards fails at
+    once instead of waiting for the dead stage."""
+    out = run_workers(_failing_stage, world_size=W, timeout=90, init_group=True)
+    want = ("pipeline stage 1 of 2, layer 'model.layers.2': ValueError: mat1 and mat2 shapes "
+            "cannot be multiplied (planted)")
+    assert out[1]["message"] == want
+    assert out[0]["message"] == want + "; stage 0 stopped with it"
+    assert [o["after"] for o in out] == ["ValueError", "ValueError"]  # no group left

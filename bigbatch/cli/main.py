@@ -151,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         from bigbatch.parallel.world import is_peer_failure
         from bigbatch.train.nonfinite import NonFiniteLossError
 
-        if isinstance(e, NonFiniteLossError):
+        from bigbatch.errors import PipelineError
+
+        if isinstance(e, NonFiniteLossError | PipelineError):
             print(f"bigbatch {args.command}: error: {e}", file=sys.stderr)
         elif args.command == "train" and under_launcher() and is_peer_failure(e):
             timeout = strategy.data_parallel.timeout_s if strategy is not None else 300.0

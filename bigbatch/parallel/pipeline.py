@@ -183,9 +183,18 @@ def _related(name: str, keep: set[str]) -> bool:
     return any(name == k or name.startswith(k + ".") or k.startswith(name + ".") for k in keep)
 
 
+LAYER_ATTR = "bigbatch_layer"
+"""Set on an exception raised inside a layer: the layer's name."""
+
+
 def _run_layers(model: nn.Module, layers: Sequence[Layer], x: torch.Tensor) -> torch.Tensor:
     for layer in layers:
-        x = layer.run(model, x)
+        try:
+            x = layer.run(model, x)
+        except Exception as e:
+            if not hasattr(e, LAYER_ATTR):  # the innermost layer names it
+                setattr(e, LAYER_ATTR, layer.name)
+            raise
     return x
 
 

@@ -252,19 +252,12 @@ class PipelineRunner:
             for chunk in self._train_chunks:
                 held.enter_context(chunk.no_sync())
         try:
-            if self.asynchronous:  # its losses come detached; every call is a real one
-                self._schedule.step(inputs if self.is_first else None,
-                                    targets if self.is_last else None,
-                                    n_microbatches=self._micro)
-            elif self.is_first:
-                if self.is_last:
-                    self._schedule.step(inputs, target=targets, losses=used)
-                else:
-                    self._schedule.step(inputs)
-            elif self.is_last:
-                self._schedule.step(target=targets, losses=used)
-            else:
-                self._schedule.step()
+            self._run_schedule(inputs, targets, used)
+        except Exception as e:
+            from bigbatch.parallel.pipeline_failure import raise_together
+
+            raise_together(e, self.stage_ids[0], self.num_stages,
+                           peers=self.mesh.degrees.pipeline - 1)
         finally:
             self._loss = None
             held.close()
@@ -280,6 +273,22 @@ class PipelineRunner:
         sums, counts = zip(*chosen, strict=True)
         self.first_count = counts[0]  # the schedules' losses come in micro-batch order
         return torch.stack(sums).sum(), torch.stack(counts).sum()
+
+    def _run_schedule(self, inputs: torch.Tensor | None, targets: torch.Tensor | None,
+                      used: list[torch.Tensor]) -> None:
+        if self.asynchronous:  # its losses come detached; every call is a real one
+            self._schedule.step(inputs if self.is_first else None,
+                                targets if self.is_last else None,
+                                n_microbatches=self._micro)
+        elif self.is_first:
+            if self.is_last:
+                self._schedule.step(inputs, target=targets, losses=used)
+            else:
+                self._schedule.step(inputs)
+        elif self.is_last:
+            self._schedule.step(target=targets, losses=used)
+        else:
+            self._schedule.step()
 
     @torch.no_grad()
     def forward_only(self, inputs: torch.Tensor | None) -> torch.Tensor | None:
