@@ -16,7 +16,9 @@ Then prints the analytic figure for BERT-large (335 M parameters, fp32 LAMB:
 Target: stage 3 at N ranks <= 1.1/N of stage 0 (parameters + gradients + state).
 Stages 2 and 3 hold the same at the optimizer step; they differ between forward and
 backward, where stage 2 keeps each block's gathered parameters (1 block at a time
-for stage 3: the analytic column).
+for stage 3). Column `fwd MB` measures that: the largest parameter bytes a rank holds
+at any module's forward (the parameters gathered whole at that moment plus the rank's
+own shards), over one forward pass.
 """
 
 from __future__ import annotations
@@ -66,6 +68,21 @@ def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
             if isinstance(v, torch.Tensor) and v.numel() > 1]
 
 
+def _forward_peak(module: torch.nn.Module) -> tuple[list, dict]:
+    """Hooks that record the largest parameter bytes held during forward: whole
+    (gathered, plain-tensor) parameters at that moment plus this rank's shards."""
+    from torch.distributed.tensor import DTensor
+
+    shards = _bytes(p for p in module.parameters() if isinstance(p, DTensor))
+    peak = {"fwd": 0}
+
+    def hook(_m, _args):
+        whole = _bytes(p for p in module.parameters() if not isinstance(p, DTensor))
+        peak["fwd"] = max(peak["fwd"], whole + shards)
+
+    return [m.register_forward_pre_hook(hook) for m in module.modules()], peak
+
+
 def _strategy(stage: int | str, global_batch: int) -> Strategy:
     d = {"batch": {"global_batch_size": global_batch, "base_batch_size": global_batch,
                    "base_lr": 1e-3},
@@ -99,14 +116,19 @@ def measure(rank: int, args) -> None:
                         state=_bytes(_optimizer_tensors(run.optimizer)))
 
         run.optimizer.register_step_pre_hook(at_step)
-        times = []
+        times, hooks, peak = [], [], {"fwd": 0}
         for step in range(args.steps):
+            if step == 1:  # after the first step: shards, state and buffers in place
+                hooks, peak = _forward_peak(run.module)
             t0 = time.perf_counter()
             with run.micro_step() as ms:
                 logits = run.model(x[step])
                 ms.backward(F.cross_entropy(logits.flatten(0, 1).float(), x[step].flatten()))
             times.append(time.perf_counter() - t0)
-        rows[stage] = {**held, "step_s": statistics.median(times[2:])}
+            for h in hooks:
+                h.remove()
+            hooks = []
+        rows[stage] = {**held, "fwd": peak["fwd"], "step_s": statistics.median(times[2:])}
         del run, model
     path = Path(args.out) / f"w{world}_r{rank}.json"
     path.write_text(json.dumps(rows))
@@ -142,7 +164,8 @@ def main() -> None:
           f"parameters, fp32 LAMB; bytes per rank (max over ranks) at the optimizer step")
     base = max(r["0"]["params"] + r["0"]["grads"] + r["0"]["state"] for r in results[worlds[0]])
     print(f"{'ranks':>5} {'mode':>5} {'params MB':>10} {'grads MB':>9} {'state MB':>9} "
-          f"{'total MB':>9} {'x stage0@1':>10} {'x 1/N':>6} {'step ms':>8} {'x DDP':>6}")
+          f"{'total MB':>9} {'x stage0@1':>10} {'x 1/N':>6} {'fwd MB':>7} {'step ms':>8} "
+          f"{'x DDP':>6}")
     for w in worlds:
         ddp_time = statistics.median(r["0"]["step_s"] for r in results[w])
         for stage in results[w][0]:
@@ -150,9 +173,11 @@ def main() -> None:
             worst = max(rows, key=lambda r: r["params"] + r["grads"] + r["state"])
             total = worst["params"] + worst["grads"] + worst["state"]
             step = statistics.median(r["step_s"] for r in rows)
+            fwd = max(r["fwd"] for r in rows)
             print(f"{w:>5} {stage:>5} {worst['params'] / 1e6:>10.2f} {worst['grads'] / 1e6:>9.2f} "
                   f"{worst['state'] / 1e6:>9.2f} {total / 1e6:>9.2f} {total / base:>10.3f} "
-                  f"{total / base * w:>6.2f} {step * 1e3:>8.1f} {step / ddp_time:>6.2f}")
+                  f"{total / base * w:>6.2f} {fwd / 1e6:>7.2f} {step * 1e3:>8.1f} "
+                  f"{step / ddp_time:>6.2f}")
     print("\nBERT-large, analytic (335 M parameters, fp32 LAMB: params 4 + grads 4 + state 8 B):")
     print(f"{'ranks':>5} " + " ".join(f"{'stage ' + str(s) + ' GB':>11}" for s in range(4)))
     for n in (1, 2, 4, 8, 64):
