@@ -313,3 +313,20 @@ def test_a_failing_stage_is_named_on_every_rank_and_nobody_waits():
     assert out[1]["message"] == want
     assert out[0]["message"] == want + "; stage 0 stopped with it"
     assert [o["after"] for o in out] == ["ValueError", "ValueError"]  # no group left
+
+
+def test_a_model_plan_can_replace_parallelize():
+    """`ModelPlan(parallelize=...)` is called instead of bigbatch's, with the same
+    arguments (here: recording them, then laying out as bigbatch would)."""
+    from bigbatch.engine.parallelize import parallelize
+
+    seen = []
+
+    def mine(module, mesh, strategy, plan, **kw):
+        seen.append((type(module).__name__, plan.blocks, sorted(kw)))
+        return parallelize(module, mesh, strategy, plan, **kw)
+
+    run = prepare(make("llama"), strategy(None), total_steps=STEPS, world=World(),
+                  model_plan=ModelPlan(blocks=("LlamaDecoderLayer",), parallelize=mine))
+    assert seen == [("Llama", ("LlamaDecoderLayer",), ["fsdp", "param_dtype", "stage_of"])]
+    train(run, slice(0, GLOBAL), range(1))

@@ -148,10 +148,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bigbatch {args.command}: {e}", file=sys.stderr)
         return exit_status(e.signum)
     except RuntimeError as e:  # exit 1: the run failed, not its input
+        from bigbatch.errors import PipelineError
         from bigbatch.parallel.world import is_peer_failure
         from bigbatch.train.nonfinite import NonFiniteLossError
-
-        from bigbatch.errors import PipelineError
 
         if isinstance(e, NonFiniteLossError | PipelineError):
             print(f"bigbatch {args.command}: error: {e}", file=sys.stderr)

@@ -20,10 +20,12 @@ from bigbatch.engine import adaptive as _adaptive
 from bigbatch.engine import policies as _policies
 from bigbatch.engine.amp import LossScaler, amp_dtype
 from bigbatch.engine.optimizer import build_optimizer, weight_decays
-from bigbatch.engine.recompute import apply_recompute
+from bigbatch.engine.parallelize import parallelize
+from bigbatch.engine.recompute import check_recompute
 from bigbatch.engine.run import Run
 from bigbatch.parallel.data_parallel import check_reduce, wrap_data_parallel
 from bigbatch.parallel.mesh import ParallelMesh
+from bigbatch.parallel.model_plan import ModelPlan
 from bigbatch.parallel.world import World, init_distributed
 
 __all__ = ["prepare"]
@@ -77,11 +79,12 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
     from bigbatch.config.schedules import Schedule
 
     world = world if world is not None else World.from_env()
-    if model_plan is not None:
-        tp_plan = tp_plan if tp_plan is not None else model_plan.tp_plan
-        if pipeline_layers is None:
-            pipeline_layers = model_plan.pipeline_layers
-    blocks = tuple(model_plan.blocks) if model_plan is not None else ()
+    model_plan = model_plan if model_plan is not None else ModelPlan()
+    tp_plan = tp_plan if tp_plan is not None else model_plan.tp_plan
+    pipeline_layers = pipeline_layers if pipeline_layers is not None else \
+        model_plan.pipeline_layers
+    model_plan = dataclasses.replace(model_plan, tp_plan=tp_plan,
+                                     pipeline_layers=pipeline_layers)
     names = tuple(p for p in policies or () if isinstance(p, str))
     if names:
         strategy = dataclasses.replace(strategy, adaptive=dataclasses.replace(
@@ -101,9 +104,8 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
                             device=world.device.type))
     if dp.sync_batch_norm and world.is_distributed:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    checkpoints = list(strategy.recompute.checkpoints) if strategy.recompute.enable else []
-    if checkpoints:
-        apply_recompute(model, checkpoints)  # validates names before any group exists
+    if strategy.recompute.enable:  # names checked on the whole model, before any group
+        check_recompute(model, list(strategy.recompute.checkpoints))
     needs_gns = _adaptive.check(strategy, plan)  # before any process group exists
     if local_grad_norm is None:
         local_grad_norm = needs_gns
@@ -130,31 +132,16 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
 
             check_measurable(pipeline)  # before any stage is wrapped
     model.to(world.device)
-    loss_parallel = False
-    if deg.tp_enabled:
-        from bigbatch.parallel.tensor_parallel import (
-            apply_tensor_parallel,
-            present_plan,
-            uses_loss_parallel,
-        )
-
-        # Every parameter a DTensor: norms, clipping and the loss scaler then see one kind.
-        stage_plan = present_plan(model, tp_plan) if pipeline is not None else tp_plan
-        apply_tensor_parallel(model, mesh.tp_mesh, stage_plan, replicate_rest=True)
-        loss_parallel = uses_loss_parallel(model)
-    if (pipeline is not None and deg.dp_enabled and not deg.stage and not deg.tp_enabled
-            and needs_gns):
-        # Micro-batch 0's gradient must reach the parameters (`bigbatch.engine.pipeline_gns`):
-        # DDP's stages accumulate in `.grad`, FSDP2's in private copies.
+    # DDP stages when the noise scale needs micro-batch 0's gradient in `.grad`
+    # (`bigbatch.engine.pipeline_gns`); FSDP2 accumulates in private copies.
+    ddp_stages = (pipeline is not None and deg.dp_enabled and not deg.stage
+                  and not deg.tp_enabled and needs_gns)
+    lay_out = model_plan.parallelize or parallelize
+    loss_parallel = bool(lay_out(
+        model, mesh, strategy, model_plan, stage_of=pipeline, fsdp=not ddp_stages,
+        param_dtype=torch.bfloat16 if autocast_dtype == torch.bfloat16 else None))
+    if ddp_stages:
         pipeline.replicate(world.device, float(dp.bucket_cap_mb))
-    elif deg.fsdp_enabled:
-        from bigbatch.parallel.sharding import apply_fsdp
-
-        one_root = pipeline is None or len(pipeline.stage_ids) == 1
-        apply_fsdp(model, mesh, stage=deg.stage, offload=strategy.sharding.offload,
-                   param_dtype=torch.bfloat16 if autocast_dtype == torch.bfloat16 else None,
-                   units=pipeline.fsdp_units() if pipeline is not None else None,
-                   root=one_root, unit_classes=blocks)
     inner, opt_strategy = None, strategy
     if world.is_distributed and not deg.needs_mesh:  # DDP over the default group
         from bigbatch.parallel.compression import DGC_OPTIMIZER, DGCState, reduce_hook

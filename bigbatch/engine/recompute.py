@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from bigbatch.errors import ConfigError
 
-__all__ = ["apply_recompute"]
+__all__ = ["apply_recompute", "check_recompute"]
 
 
 class _Recomputed:
@@ -39,6 +39,17 @@ def apply_recompute(model: nn.Module, names: list[str]) -> list[str]:
     Unknown names are a ConfigError that lists the closest existing names.
     Returns the names wrapped.
     """
+    modules = check_recompute(model, names)
+    for name in names:
+        module = modules[name]
+        if not isinstance(module.__dict__.get("forward"), _Recomputed):
+            module.forward = _Recomputed(module)
+    return list(names)
+
+
+def check_recompute(model: nn.Module, names: list[str]) -> dict[str, nn.Module]:
+    """A ConfigError naming the closest existing names when one of `names` is no
+    submodule of `model`; else `model`'s modules by name."""
     modules = dict(model.named_modules())
     for name in names:
         if name not in modules or name == "":
@@ -48,8 +59,4 @@ def apply_recompute(model: nn.Module, names: list[str]) -> list[str]:
                 f"recompute.checkpoints: no module named {name!r} in the model{hint} "
                 "(names as in model.named_modules())"
             )
-    for name in names:
-        module = modules[name]
-        if not isinstance(module.__dict__.get("forward"), _Recomputed):
-            module.forward = _Recomputed(module)
-    return list(names)
+    return modules

@@ -11,7 +11,10 @@
 - `tp_plan`: the tensor-parallel plan (`bigbatch.parallel.tensor_parallel`): every entry
   must name at least one module of the model, or the run is refused naming the entry.
 - `pipeline_layers`: the model's chain of `bigbatch.parallel.pipeline.Layer`s (default:
-  `model.pipeline_layers()`).
+  `model.pipeline_layers()`; `bigbatch.parallel.pipeline.decoder_layers` builds it for
+  an HF-shaped decoder).
+- `parallelize`: a function that replaces `bigbatch.engine.parallelize.parallelize`
+  (tensor parallel -> recompute -> FSDP2) for this model.
 
 Built-in tasks pass theirs; `prepare`'s own `tp_plan=` / `pipeline_layers=` arguments
 take precedence over the plan's.
@@ -37,6 +40,10 @@ class ModelPlan:
     """{module name pattern: style} or a ``parallelize(model, mesh)`` callable."""
     pipeline_layers: Any = None
     """The chain of `Layer`s a `[pipeline]` run splits into stages."""
+    parallelize: Any = None
+    """Your own ``parallelize(module, mesh, strategy, plan, *, stage_of, param_dtype, fsdp)
+    -> loss_parallel`` in place of `bigbatch.engine.parallelize.parallelize` (the same
+    arguments; it lays out one stage, or the whole model)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.blocks, str | type):
