@@ -123,7 +123,10 @@ and the helpers get the part they change, never the run:
   -> schedule, run in that order by `Run._finish_step`; clipping is `bigbatch.optim.clip`.
 - `grad_info`, `adaptive`, `kfac`, `pipeline_gns`, `local_norms`, `policies`: the hooks,
   each built from the clock, window, batch and optimizer it uses.
-- `state`: `Run.state_dict()` as each part's state, in the checkpoint's flat layout.
+- `state`: `Run.state_dict()` as each part's state, in the checkpoint's flat layout;
+  `saving`: `run.save_state` / `load_state` / `whole_state_dict` (DCP when sharded).
+- `parallelize`: a model's (or pipeline stage's) layout on the mesh, tensor parallel ->
+  recompute -> FSDP2, from its `bigbatch.ModelPlan`; `prepare` calls it.
 """
 
 from .prepare import prepare
