@@ -8,7 +8,7 @@
   untied ``lm_head``; its projections are HF's ``Conv1D`` (weight stored transposed,
   ``(in, out)``).
 
-Nothing here is bigbatch's: these stand in for a user's model.
+Nothing here is bigbatch's but the ready plans: the models stand in for a user's.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from bigbatch.parallel.plans import gpt2_plan, llama_plan
 
 VOCAB, D, HEADS, FFN, LAYERS, SEQ = 64, 32, 4, 64, 3, 8
 
@@ -127,23 +129,41 @@ class Conv1D(nn.Module):
             *x.shape[:-1], self.nf)
 
 
+class GPT2Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_attn = Conv1D(3 * D, D)
+        self.c_proj = Conv1D(D, D)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.c_attn(x).split(D, dim=-1)
+        q, k, v = (z.view(b, t, HEADS, -1).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(a.transpose(1, 2).reshape(b, t, D))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_fc = Conv1D(FFN, D)
+        self.c_proj = Conv1D(D, FFN)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
 class GPT2Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(D)
-        self.c_attn = Conv1D(3 * D, D)
-        self.c_proj = Conv1D(D, D)
+        self.attn = GPT2Attention()
         self.ln_2 = nn.LayerNorm(D)
-        self.c_fc = Conv1D(FFN, D)
-        self.mlp_proj = Conv1D(D, FFN)
+        self.mlp = GPT2MLP()
 
     def forward(self, x):
-        b, t, _ = x.shape
-        q, k, v = self.c_attn(self.ln_1(x)).split(D, dim=-1)
-        q, k, v = (z.view(b, t, HEADS, -1).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.c_proj(a.transpose(1, 2).reshape(b, t, D))
-        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
 
 
 class GPT2Model(nn.Module):
@@ -173,29 +193,9 @@ class GPT2(nn.Module):
         return self.lm_head(self.transformer(ids))
 
 
-#: The tensor-parallel plan a Llama user writes (Megatron's split, HF's names).
-LLAMA_TP_PLAN = {
-    "model.embed_tokens": "vocab_embedding",
-    "model.layers.*.self_attn.q_proj": "colwise",
-    "model.layers.*.self_attn.k_proj": "colwise",
-    "model.layers.*.self_attn.v_proj": "colwise",
-    "model.layers.*.self_attn.o_proj": "rowwise",
-    "model.layers.*.mlp.gate_proj": "colwise",
-    "model.layers.*.mlp.up_proj": "colwise",
-    "model.layers.*.mlp.down_proj": "rowwise",
-    "lm_head": "vocab_head",
-}
-
-
-#: GPT-2's: the MLP's ``Conv1D`` layers split column- then row-wise, embedding and head by
-#: vocabulary. Its attention stays whole: ``c_attn`` is q, k and v fused in one output, which
-#: a column split would cut across the three (Megatron interleaves them; HF's code does not).
-GPT2_TP_PLAN = {
-    "transformer.wte": "vocab_embedding",
-    "transformer.h.*.c_fc": "conv1d_colwise",
-    "transformer.h.*.mlp_proj": "conv1d_rowwise",
-    "lm_head": "vocab_head",
-}
+#: The ready plans, with HF's module names (`bigbatch.parallel.plans`).
+LLAMA_TP_PLAN = llama_plan().tp_plan
+GPT2_TP_PLAN = gpt2_plan().tp_plan
 
 
 def llama_layers(model: Llama) -> list:
