@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bigbatch.parallel.plans import gpt2_plan, llama_plan
+from bigbatch.engine.plans import bert_plan, gpt2_plan, llama_plan
 
 VOCAB, D, HEADS, FFN, LAYERS, SEQ = 64, 32, 4, 64, 3, 8
 
@@ -193,9 +193,73 @@ class GPT2(nn.Module):
         return self.lm_head(self.transformer(ids))
 
 
-#: The ready plans, with HF's module names (`bigbatch.parallel.plans`).
+class BertSelfAttention(nn.Module):
+    """HF's BERT self-attention: heads viewed by a fixed count (``num_attention_heads``),
+    which a tensor-parallel layout must divide by the degree (`bert_plan` does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_attention_heads, self.attention_head_size = HEADS, D // HEADS
+        self.all_head_size = D
+        self.query, self.key, self.value = (nn.Linear(D, D) for _ in range(3))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        shape = (b, t, self.num_attention_heads, self.attention_head_size)
+        q, k, v = (m(x).view(shape).transpose(1, 2) for m in (self.query, self.key, self.value))
+        a = F.scaled_dot_product_attention(q, k, v)
+        return a.transpose(1, 2).reshape(b, t, self.all_head_size)
+
+
+class BertLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.Module()
+        self.attention.self = BertSelfAttention()
+        self.attention.output = nn.Module()
+        self.attention.output.dense = nn.Linear(D, D)
+        self.attention.output.LayerNorm = nn.LayerNorm(D)
+        self.intermediate = nn.Module()
+        self.intermediate.dense = nn.Linear(D, FFN)
+        self.output = nn.Module()
+        self.output.dense = nn.Linear(FFN, D)
+        self.output.LayerNorm = nn.LayerNorm(D)
+
+    def forward(self, x):
+        a = self.attention.output.dense(self.attention.self(x))
+        x = self.attention.output.LayerNorm(x + a)
+        h = self.output.dense(F.gelu(self.intermediate.dense(x)))
+        return self.output.LayerNorm(x + h)
+
+
+class Bert(nn.Module):
+    """``BertForMaskedLM``'s names (``bert.embeddings``, ``bert.encoder.layer``) with an
+    untied prediction head; trained here as a plain per-token classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bert = nn.Module()
+        self.bert.embeddings = nn.Module()
+        self.bert.embeddings.word_embeddings = nn.Embedding(VOCAB, D)
+        self.bert.embeddings.position_embeddings = nn.Embedding(SEQ, D)
+        self.bert.embeddings.LayerNorm = nn.LayerNorm(D)
+        self.bert.encoder = nn.Module()
+        self.bert.encoder.layer = nn.ModuleList(BertLayer() for _ in range(LAYERS))
+        self.decoder = nn.Linear(D, VOCAB)
+
+    def forward(self, ids):
+        e = self.bert.embeddings
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        x = e.LayerNorm(e.word_embeddings(ids) + e.position_embeddings(pos))
+        for layer in self.bert.encoder.layer:
+            x = layer(x)
+        return self.decoder(x)
+
+
+#: The ready plans, with HF's module names (`bigbatch.engine.plans`).
 LLAMA_TP_PLAN = llama_plan().tp_plan
 GPT2_TP_PLAN = gpt2_plan().tp_plan
+BERT_PLAN = bert_plan(head="decoder")
 
 
 def llama_layers(model: Llama) -> list:
@@ -221,4 +285,4 @@ def gpt2_layers(model: GPT2) -> list:
 
 def make(name: str) -> nn.Module:
     torch.manual_seed(0)
-    return {"llama": Llama, "gpt2": GPT2}[name]()
+    return {"llama": Llama, "gpt2": GPT2, "bert": Bert}[name]()
