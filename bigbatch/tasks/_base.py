@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from bigbatch.errors import ConfigError
+from bigbatch.parallel.model_plan import ModelPlan
 
 if TYPE_CHECKING:
     from bigbatch.parallel.tensor_parallel import Plan
@@ -98,6 +99,12 @@ class Task(abc.ABC):
         {module name: style} or a callable `parallelize(model, mesh) -> model`, as
         `bigbatch.parallel.tensor_parallel.apply_tensor_parallel` takes; None: no plan."""
         return None
+
+    def model_plan(self, model: nn.Module) -> ModelPlan:
+        """What `model` (one this task built) contributes to parallelism: its
+        tensor-parallel plan (`tp_plan`); its blocks (FSDP2 units) are found through its
+        `nn.ModuleList`s and its pipeline layers through its `pipeline_layers()`."""
+        return ModelPlan(tp_plan=self.tp_plan(model))
 
     def check_tensor_parallel(self, degree: int) -> None:
         """A ConfigError naming the option if this task's model cannot be split `degree`

@@ -130,10 +130,9 @@ class _Trainer:
         model = task.build_model(self.model_name)
         if ckpt is not None and "model" in ckpt:
             model.load_state_dict(ckpt["model"])
-        tp = strategy.tensor_parallel.tensor_parallel_degree
         self.run = run = prepare(model, strategy, total_steps=self.total_steps,
                                  steps_per_epoch=spe, world=world, track_stats=True, plan=plan,
-                                 tp_plan=task.tp_plan(model) if tp > 1 else None)
+                                 model_plan=task.model_plan(model))
         self.checkpoints = Checkpointer(self.out, world, self.files,
                                         keep=config.keep_checkpoints,
                                         sharded=run.mesh.degrees.sharded_state, last=resume_from)
