@@ -239,3 +239,16 @@ def test_the_clock_is_the_only_writer_of_the_lr():
     # Schedule.apply is the plain-loop helper for users without a Run; optimizers
     # only read their groups.
     assert sorted(set(writers)) == ["config/schedules.py", "engine/clock.py"]
+
+
+def test_an_optimizer_error_names_the_parameter():
+    from bigbatch.engine.step import optimizer_step
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    # Transposed, as a layout mistake leaves it (torch's setter would refuse a plain one).
+    model[1].weight.grad.data = torch.ones(2, 1)
+    with pytest.raises(RuntimeError, match=r"1\.weight \(weight \(1, 2\), gradient \(2, 1\)\)"):
+        optimizer_step(opt, model.named_parameters)

@@ -303,7 +303,7 @@ class Run:
             if self.max_grad_norm is not None:
                 _step.clip(params, self._grad_norm, self.max_grad_norm)
             self.clock.apply()
-            self.optimizer.step()
+            _step.optimizer_step(self.optimizer, self.module.named_parameters)
         if self.scaler is not None:
             self.scaler.update(found_inf)
         self.optimizer.zero_grad(set_to_none=True)

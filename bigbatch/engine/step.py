@@ -20,7 +20,7 @@ from bigbatch.engine.merge import MergeWindow
 from bigbatch.optim._norms import local
 from bigbatch.optim.clip import clip_grads_
 
-__all__ = ["align_grads", "grad_norm", "normalize", "statistics", "unscale"]
+__all__ = ["align_grads", "grad_norm", "normalize", "optimizer_step", "statistics", "unscale"]
 
 
 def _grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -86,3 +86,18 @@ def grad_norm(params: list[torch.Tensor], info: GradInfo | None = None,
 def clip(params: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
     """Clip the global gradient norm to `max_norm` (`bigbatch.optim.clip`)."""
     clip_grads_(_grads(params), norm, max_norm)
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer,
+                   named: Callable[[], list[tuple[str, torch.Tensor]]]) -> None:
+    """`optimizer.step()`; an error from inside it names the parameters whose gradient
+    does not fit them (`named()` lists the model's parameters, read only on that path)."""
+    try:
+        optimizer.step()
+    except RuntimeError as e:
+        bad = [f"{n} (weight {tuple(p.shape)}, gradient {tuple(p.grad.shape)})"
+               for n, p in named() if p.grad is not None and p.grad.shape != p.shape]
+        if not bad:
+            raise
+        raise RuntimeError(f"optimizer step: {str(e).splitlines()[0]}; gradient shapes "
+                           f"differ from their parameters: {', '.join(bad[:3])}") from e
