@@ -43,9 +43,10 @@ from bigbatch.train.sharded import remove_sharded, sharded_dir, sharded_problem
 __all__ = ["CHECKPOINT_DIR", "CHECKPOINT_FORMAT", "MANIFEST_FORMAT", "QUIET_ENV",
            "CheckpointDamagedError", "CheckpointError", "CheckpointSaveError", "WriteError",
            "atomic_save", "check_format", "checkpoint_path", "failure_reason",
-           "latest_checkpoint", "list_checkpoints", "load_checkpoint",
+           "latest_checkpoint", "list_checkpoints", "load_checkpoint", "newest_whole",
            "load_training_checkpoint", "manifest_path", "rng_state", "save_checkpoint",
-           "save_failure", "set_rng_state", "verify_checkpoint", "write_text_atomic"]
+           "save_failure", "set_rng_state", "verify_checkpoint", "warn_damaged",
+           "write_text_atomic"]
 
 log = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = 2
@@ -238,11 +239,10 @@ def _says() -> bool:
         os.environ.get(QUIET_ENV) != "1" or restarted)
 
 
-def latest_checkpoint(out: str | os.PathLike, before: Path | None = None,
-                      warn: bool | None = None) -> Path | None:
-    """The newest checkpoint (older than `before`) that verifies; a bad newer one is
-    skipped with a one-line warning naming the one used (`warn`: default, in one process
-    of a job). None when none verifies: the caller says so, in one line."""
+def newest_whole(out: str | os.PathLike, before: Path | None = None
+                 ) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint (older than `before`) that verifies, or None, and the newer
+    ones that do not, with why (newest first)."""
     found = list_checkpoints(out)
     if before is not None:
         found = [p for p in found if p.name < Path(before).name]
@@ -250,15 +250,30 @@ def latest_checkpoint(out: str | os.PathLike, before: Path | None = None,
     for path in reversed(found):
         problem = verify_checkpoint(path)
         if problem is None:
-            if warn if warn is not None else _says():
-                for old, why in bad:
-                    if (str(old), why) not in _warned:  # the CLI asks more than once
-                        _warned.add((str(old), why))
-                        log.warning("warning: checkpoint %s is corrupt (%s); using %s",
-                                    old.name, why, path.name)
-            return path
+            return path, bad
         bad.append((path, problem))
-    return None
+    return None, bad
+
+
+def warn_damaged(bad: list[tuple[Path, str]], using: Path) -> None:
+    """One line for each damaged checkpoint a resume skips, naming the one it uses (once
+    per process: the CLI asks more than once)."""
+    for path, why in bad:
+        if (str(path), why) not in _warned:
+            _warned.add((str(path), why))
+            log.warning("warning: checkpoint %s is corrupt (%s); using %s", path.name, why,
+                        using.name)
+
+
+def latest_checkpoint(out: str | os.PathLike, before: Path | None = None,
+                      warn: bool | None = None) -> Path | None:
+    """The newest checkpoint (older than `before`) that verifies; a bad newer one is
+    skipped with a one-line warning naming the one used (`warn`: by default, in one
+    process of a job). None when none verifies: the caller says so, in one line."""
+    path, bad = newest_whole(out, before)
+    if path is not None and (warn if warn is not None else _says()):
+        warn_damaged(bad, path)
+    return path
 
 
 def damaged_error(out: str | os.PathLike, bad: list[tuple[Path, str]]) -> CheckpointDamagedError:

@@ -11,17 +11,14 @@ rank 0 says which and why in one line; when none is left, every rank raises
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
 from bigbatch.parallel.world import World, broadcast, gather
-from bigbatch.train.checkpoint import damaged_error, latest_checkpoint
+from bigbatch.train.checkpoint import damaged_error, newest_whole, warn_damaged
 from bigbatch.train.sharded import shard_problem
 
 __all__ = ["agree_on_checkpoint"]
-
-log = logging.getLogger(__name__)
 
 
 def agree_on_checkpoint(out: str | os.PathLike, first: Path, world: World) -> Path:
@@ -35,14 +32,13 @@ def agree_on_checkpoint(out: str | os.PathLike, first: Path, world: World) -> Pa
         if problem is None:
             break
         bad.append((candidate, problem))
-        older = latest_checkpoint(out, before=candidate, warn=False) if world.is_main else None
+        older, skipped = newest_whole(out, before=candidate) if world.is_main else (None, [])
+        bad += skipped
         candidate = broadcast(older, world)
     if candidate is None:
         error = damaged_error(out, bad)
         error.everywhere = True
         raise error
     if world.is_main:
-        for path, why in bad:
-            log.warning("warning: checkpoint %s is corrupt (%s); using %s", path.name, why,
-                        candidate.name)
+        warn_damaged(bad, candidate)
     return candidate
