@@ -139,12 +139,14 @@ class _Watchdog:
 
 
 def _quiet_torchrun() -> None:
-    """torchrun's warnings repeat what bigbatch says in one line (unless LOGLEVEL is set)."""
+    """torchrun's warnings and its "failed (exitcode: 1)" report repeat what bigbatch says
+    in one line: a failed worker printed why, and a killed one is named by `run_torchrun`
+    (unless LOGLEVEL is set)."""
     if "LOGLEVEL" in os.environ:
         return
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic") or name == "torch.distributed.run":
-            logging.getLogger(name).setLevel(logging.ERROR)
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def run_torchrun(torchrun_argv: list[str], *, command: str, timeout: float,

@@ -4,8 +4,9 @@ User mistakes (bad flags, a missing config file, an unknown task, a resume
 directory without a checkpoint, settings a resume may not change, an output
 directory that holds a run or that another job holds) print one line on stderr and
 exit with status 2, before anything is written. Failures of a run that started (a
-non-finite loss under `--nan-policy`, a failed checkpoint save, a full disk, a peer
-that did not answer in time, a failed rendezvous) print one line and exit 1. A run
+non-finite loss under `--nan-policy`, a failed checkpoint save, a full disk, no
+checkpoint left whole to resume from, a peer that did not answer in time, a failed
+rendezvous) print one line and exit 1. A run
 stopped by SIGTERM, SIGINT or SIGHUP saves a checkpoint, prints one line and exits
 with 128 + the signal's number (143, 130, 129).
 A policy that ends the run on purpose (`[straggler] action = "stop"`: status 75)
@@ -161,9 +162,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             raise
         return 1
-    except OSError as e:  # exit 1: a full disk, a lost mount, ... (not a usage mistake)
+    except OSError as e:  # exit 1: a full disk, a lost mount, damaged files (not a usage mistake)
         from bigbatch.train.checkpoint import WriteError
 
+        if getattr(e, "everywhere", False) and os.environ.get("RANK", "0") != "0":
+            return 1  # every worker raised it alike: rank 0 says it
         text = str(e) if isinstance(e, WriteError) or not e.strerror else (
             f"{e.strerror}: {e.filename}" if e.filename else e.strerror)
         print(f"bigbatch {args.command}: error: {text}", file=sys.stderr)

@@ -69,12 +69,10 @@ def preflight(config, strategy, world_size: int | None, *, checks_out: bool = Tr
             load_policy(spec, strategy)
     path = ckpt = None
     if config.resume:  # first: another task's options or data must not be checked or made
-        from bigbatch.train.checkpoint import latest_checkpoint, load_training_checkpoint
+        from bigbatch.train.checkpoint import load_training_checkpoint, resume_checkpoint
         from bigbatch.train.resume import check_resume
 
-        path = latest_checkpoint(out)
-        if path is None:
-            raise ConfigError(f"--resume: no usable checkpoint in {out / 'checkpoints'}")
+        path = resume_checkpoint(out)
         ckpt = load_training_checkpoint(path)
         check_resume(config, strategy, ckpt, path.name, cls.default_model)
         if world_size is not None:  # parameter-server checkpoints need the same ranks

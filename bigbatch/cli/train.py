@@ -116,7 +116,7 @@ def resolve(args: argparse.Namespace):
     """(TrainConfig, Strategy) from the flags; on --resume, the saved run fills what is not given."""
     from bigbatch.config.strategy import Strategy
     from bigbatch.tasks import task_class
-    from bigbatch.train.checkpoint import latest_checkpoint
+    from bigbatch.train.checkpoint import latest_checkpoint, resume_checkpoint
     from bigbatch.train.trainer import RUN_FILE, TrainConfig
 
     out = Path(args.out or "runs/train")
@@ -128,8 +128,7 @@ def resolve(args: argparse.Namespace):
         overwrite = not resume
     saved: dict = {}
     if resume:
-        if latest_checkpoint(out) is None:
-            raise ConfigError(f"--resume: no checkpoint in {out / 'checkpoints'}")
+        resume_checkpoint(out)  # one there, and a whole one
         try:
             saved = json.loads((out / RUN_FILE).read_text())
         except (OSError, ValueError):
@@ -231,7 +230,9 @@ def _launch(args: argparse.Namespace, argv: list[str], config, strategy) -> int:
     preflight(config, strategy,
               args.nproc * int(nnodes or 1) if nnodes is None or nnodes.isdigit() else None,
               checks_out=not _multi_node(args))
-    env = {}
+    from bigbatch.train.checkpoint import QUIET_ENV
+
+    env = {QUIET_ENV: "1"}  # preflight said which checkpoints are damaged: workers need not
     if "OMP_NUM_THREADS" not in os.environ:  # torchrun would pick 1 and print a banner about it
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.nproc))
     timeout = strategy.data_parallel.timeout_s

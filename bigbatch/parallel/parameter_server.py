@@ -54,10 +54,14 @@ def assign_shards(sizes: Sequence[int], servers: int) -> list[int]:
     return owner
 
 
-def start_rpc(rank: int, world_size: int, servers: int, timeout_s: float) -> str:
-    """Join the RPC group under this rank's name (servers first, then workers)."""
+def start_rpc(rank: int, world_size: int, servers: int, timeout_s: float,
+              init_method: str | None = None) -> str:
+    """Join the RPC group under this rank's name (servers first, then workers);
+    `init_method`: its rendezvous URL (default: torch's, env://)."""
     name = server_name(rank) if rank < servers else worker_name(rank - servers)
     options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=timeout_s)
+    if init_method is not None:
+        options.init_method = init_method
     rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
     return name
 
@@ -174,9 +178,13 @@ class Server:
         self._waiting = keep
 
     def finish(self) -> None:
-        """No more steps: later pushes get `stop` and are not applied."""
+        """No more steps: later pushes, and those waiting for a sync step that will not
+        come (a worker is gone), get `stop` and are not applied."""
         with self.lock:
             self.stop = True
+            for _, fut in self._pending.values():
+                fut.set_result(self._reply(applied=False))
+            self._pending.clear()
             self._wake()
 
 

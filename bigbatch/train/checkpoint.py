@@ -1,23 +1,23 @@
 """Atomic, verified checkpoints: save and resume everything stateful in a training run.
 
 `save_checkpoint` writes `checkpoints/step-N.pt` (temporary file, fsync, rename),
-then its manifest `step-N.json` (size and sha256 of the payload), the commit
-point, and keeps the newest K. `latest_checkpoint` returns the newest checkpoint
-whose payload matches its manifest: a corrupt or truncated one is skipped with
-a one-line warning and the previous good one is used. A payload without a
-manifest (a crash between the two renames, or an older run) is accepted when
-its zip structure and CRCs check out. A save that fails midway (disk full: torch
-reports it as a RuntimeError) leaves the previous checkpoints intact, removes its
-temporary file and raises `CheckpointSaveError`. A payload torch cannot read is a
-one-line `CheckpointError`; `load_training_checkpoint` also checks its format (a
-foreign, older or newer payload is one too).
+then its manifest `step-N.json` (size and sha256 of the payload and of every DCP
+file of a sharded step: `bigbatch.train.manifest`), the commit point, and keeps the
+newest K. `latest_checkpoint` returns the newest checkpoint whose payload matches
+its manifest and whose other files are all there at their sizes: a corrupt or
+truncated one is skipped with a one-line warning and the previous good one is used
+(the shards' digests are checked by the workers together: `bigbatch.train.verified`).
+A payload without a manifest (a crash between the two renames, or an older run) is
+accepted when its zip structure and CRCs check out. A save that fails midway (disk
+full: torch reports it as a RuntimeError) leaves the previous checkpoints intact,
+removes its temporary file and raises `CheckpointSaveError`. A payload torch cannot
+read is a one-line `CheckpointError`; `load_training_checkpoint` also checks its
+format (a foreign, older or newer payload is one too).
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
-import json
 import logging
 import os
 import pickle
@@ -30,10 +30,25 @@ import numpy as np
 import torch
 
 from bigbatch.errors import ConfigError
+from bigbatch.train.manifest import (  # noqa: F401 - MANIFEST_FORMAT: re-exported
+    MANIFEST_FORMAT,
+    listed_problem,
+    manifest_path,
+    payload_problem,
+    read_manifest,
+    write_manifest,
+)
 from bigbatch.train.sharded import remove_sharded, sharded_dir, sharded_problem
 
+__all__ = ["CHECKPOINT_DIR", "CHECKPOINT_FORMAT", "MANIFEST_FORMAT", "QUIET_ENV",
+           "CheckpointDamagedError", "CheckpointError", "CheckpointSaveError", "WriteError",
+           "atomic_save", "check_format", "checkpoint_path", "failure_reason",
+           "latest_checkpoint", "list_checkpoints", "load_checkpoint", "newest_whole",
+           "load_training_checkpoint", "manifest_path", "rng_state", "save_checkpoint",
+           "save_failure", "set_rng_state", "verify_checkpoint", "warn_damaged",
+           "write_text_atomic"]
+
 log = logging.getLogger(__name__)
-MANIFEST_FORMAT = 1
 CHECKPOINT_FORMAT = 2
 """Format of the payload `bigbatch.train.trainer` saves. 1: 0.1.0's, the weights in
 "model"; 2 adds sharded runs, whose payload says "sharded" and whose weights and
@@ -55,11 +70,40 @@ class CheckpointError(ConfigError):
     """A checkpoint that this version cannot resume from (foreign, older, newer, unreadable)."""
 
 
+class CheckpointDamagedError(OSError):
+    """No checkpoint of a run is whole any more (the message names each and why): a
+    fault of the machine or its disks, not of the user's input."""
+
+    everywhere = False
+    """True when every rank raises it alike (then one of them says so)."""
+
+
 def failure_reason(e: BaseException) -> str:
     """Why a write failed, in a few words (torch.save's RuntimeError does not say)."""
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def save_failure(reason: str, directory: Path) -> str:
+    """`reason` for a failed write in `directory`, with the space left there: torch says
+    only "file write failed" for a full disk, so a nearly full one is named as such."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return reason
+    free = st.f_bavail * st.f_frsize
+    if free < (1 << 20) and "No space left" not in reason and "write failed" in reason:
+        reason = os.strerror(errno.ENOSPC)
+    return f"{reason}; {_size(free)} free in {directory}"
 
 
 def atomic_save(obj, path: str | os.PathLike) -> None:
@@ -146,11 +190,6 @@ def checkpoint_path(out: str | os.PathLike, step: int) -> Path:
     return Path(out) / CHECKPOINT_DIR / f"{_PREFIX}{step:09d}{_SUFFIX}"
 
 
-def manifest_path(path: str | os.PathLike) -> Path:
-    """The manifest beside checkpoint payload `path`."""
-    return Path(path).with_suffix(".json")
-
-
 def list_checkpoints(out: str | os.PathLike) -> list[Path]:
     """Checkpoint payloads in `out`, oldest first (temporary files are never listed;
     not verified: see `latest_checkpoint`)."""
@@ -165,30 +204,21 @@ def list_checkpoints(out: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def _sha256(path: Path) -> tuple[str, int]:
-    h, n = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-            n += len(chunk)
-    return h.hexdigest(), n
-
-
 def verify_checkpoint(path: str | os.PathLike) -> str | None:
-    """None when the payload at `path` is whole, else why not (one short phrase)."""
+    """None when the checkpoint at `path` is whole as far as one process checks it (its
+    payload, and its other files present at their sizes), else why not (a short phrase)."""
     path = Path(path)
-    manifest = manifest_path(path)
-    if sharded_dir(path).exists() and (problem := sharded_problem(path)):
-        return problem
     try:
-        if manifest.exists():
-            meta = json.loads(manifest.read_text())
-            digest, size = _sha256(path)
-            if size != meta["bytes"]:
-                return f"truncated: {size} bytes, manifest says {meta['bytes']}"
-            if digest != meta["sha256"]:
-                return "checksum mismatch"
-            return None
+        meta = read_manifest(path)
+        if meta is not None:
+            problem = payload_problem(path, meta)
+            if problem is None and meta.get("files"):
+                return listed_problem(path, meta)
+            if problem is None and sharded_dir(path).exists():  # a manifest of format 1
+                return sharded_problem(path)
+            return problem
+        if sharded_dir(path).exists() and (problem := sharded_problem(path)):
+            return problem
         with zipfile.ZipFile(path) as z:  # no manifest: torch.save's zip and its CRCs
             bad = z.testzip()
         return f"damaged entry {bad}" if bad else None
@@ -196,33 +226,84 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
         return f"unreadable ({type(e).__name__}: {e})".splitlines()[0]
 
 
+QUIET_ENV = "BIGBATCH_CHECKPOINTS_CHECKED"
+"""Set by `bigbatch train --nproc N` for its workers: it has said which checkpoints are
+damaged, so they do not say it again."""
 _warned: set[tuple[str, str]] = set()
 
 
-def latest_checkpoint(out: str | os.PathLike) -> Path | None:
-    """The newest checkpoint that verifies; a bad newer one is skipped with a warning."""
+def _says() -> bool:
+    """Whether this process reports damaged checkpoints: one process of a job does."""
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+    return os.environ.get("RANK", "0") == "0" and (
+        os.environ.get(QUIET_ENV) != "1" or restarted)
+
+
+def newest_whole(out: str | os.PathLike, before: Path | None = None
+                 ) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint (older than `before`) that verifies, or None, and the newer
+    ones that do not, with why (newest first)."""
     found = list_checkpoints(out)
-    for i in range(len(found) - 1, -1, -1):
-        problem = verify_checkpoint(found[i])
+    if before is not None:
+        found = [p for p in found if p.name < Path(before).name]
+    bad = []
+    for path in reversed(found):
+        problem = verify_checkpoint(path)
         if problem is None:
-            return found[i]
-        key = (str(found[i]), problem)
-        if key not in _warned:  # resolve, preflight and the trainer all ask: say it once
-            _warned.add(key)
-            fallback = next((p.name for p in reversed(found[:i]) if verify_checkpoint(p) is None),
-                            None)
-            log.warning("warning: checkpoint %s is corrupt (%s); %s", found[i].name, problem,
-                        f"using {fallback}" if fallback else "no older good checkpoint")
-    return None
+            return path, bad
+        bad.append((path, problem))
+    return None, bad
+
+
+def warn_damaged(bad: list[tuple[Path, str]], using: Path) -> None:
+    """One line for each damaged checkpoint a resume skips, naming the one it uses (once
+    per process: the CLI asks more than once)."""
+    for path, why in bad:
+        if (str(path), why) not in _warned:
+            _warned.add((str(path), why))
+            log.warning("warning: checkpoint %s is corrupt (%s); using %s", path.name, why,
+                        using.name)
+
+
+def latest_checkpoint(out: str | os.PathLike, before: Path | None = None,
+                      warn: bool | None = None) -> Path | None:
+    """The newest checkpoint (older than `before`) that verifies; a bad newer one is
+    skipped with a one-line warning naming the one used (`warn`: by default, in one
+    process of a job). None when none verifies: the caller says so, in one line."""
+    path, bad = newest_whole(out, before)
+    if path is not None and (warn if warn is not None else _says()):
+        warn_damaged(bad, path)
+    return path
+
+
+def damaged_error(out: str | os.PathLike, bad: list[tuple[Path, str]]) -> CheckpointDamagedError:
+    """The one line for a run none of whose checkpoints is whole."""
+    shown = ", ".join(f"{p.name} ({why})" for p, why in bad[:3])
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    return CheckpointDamagedError(f"--resume: no good checkpoint in {Path(out) / CHECKPOINT_DIR}: "
+                                  f"{shown}{more}")
+
+
+def resume_checkpoint(out: str | os.PathLike) -> Path:
+    """The checkpoint a resume of `out` starts from: ConfigError when it has none,
+    `CheckpointDamagedError` when none is whole."""
+    path = latest_checkpoint(out)
+    if path is not None:
+        return path
+    found = list_checkpoints(out)
+    if not found:
+        raise ConfigError(f"--resume: no checkpoint in {Path(out) / CHECKPOINT_DIR}")
+    raise damaged_error(out, [(p, verify_checkpoint(p) or "?") for p in reversed(found)])
 
 
 def save_checkpoint(out: str | os.PathLike, step: int, state: dict, keep: int = 2,
-                    files: Any = None) -> Path:
+                    files: Any = None, shards: dict[str, dict] | None = None) -> Path:
     """Write `state` as the checkpoint of `step` atomically with its manifest; keep the
     newest `keep` ones. Raises `CheckpointSaveError` (older checkpoints intact) on failure.
 
     `files` (a `bigbatch.train.outdir.RunFiles`) records the files before they are
-    written; with it only recorded checkpoints are pruned.
+    written; with it only recorded files are pruned. `shards`: size and sha256 of the
+    step's DCP files (`bigbatch.train.sharded.save_sharded`), for the manifest.
     """
     path = checkpoint_path(out, step)
     manifest = manifest_path(path)
@@ -233,28 +314,36 @@ def save_checkpoint(out: str | os.PathLike, step: int, state: dict, keep: int = 
             files.add(path, manifest)
         manifest.unlink(missing_ok=True)  # a half-replaced step must not verify against it
         atomic_save(state, path)
-        digest, size = _sha256(path)
-        write_text_atomic(manifest, json.dumps(
-            {"format": MANIFEST_FORMAT, "step": step, "payload": path.name, "bytes": size,
-             "sha256": digest}))  # the commit point
+        write_manifest(path, step, shards, write_text_atomic)  # the commit point
     except (OSError, RuntimeError, pickle.PicklingError) as e:
         if not existed and not manifest.exists():  # never committed: no half-saved step
             path.unlink(missing_ok=True)
-        previous = [p.name for p in list_checkpoints(out) if p != path]
         raise CheckpointSaveError(
-            f"saving checkpoint {path.name} failed ({failure_reason(e)}); "
-            f"{'kept ' + previous[-1] if previous else 'no earlier checkpoint'}"
-        ) from e
+            f"saving checkpoint {path.name} failed "
+            f"({save_failure(failure_reason(e), path.parent)}); {kept_line(out, path)}") from e
+    prune(out, keep, files)
+    return path
+
+
+def kept_line(out: str | os.PathLike, failed: Path) -> str:
+    """What a failed save of `failed` leaves to resume from."""
+    previous = [p.name for p in list_checkpoints(out) if p != failed]
+    return f"kept {previous[-1]}" if previous else "no earlier checkpoint"
+
+
+def prune(out: str | os.PathLike, keep: int, files: Any = None) -> None:
+    """Delete all but the newest `keep` checkpoints: their payloads, manifests and DCP
+    files, only those bigbatch wrote (`files`, the run's record: with it, only recorded
+    files), and a checkpoint's folder only once it is empty."""
     old = list_checkpoints(out)[:-keep] if keep > 0 else []
     if files is not None:
         old = [p for p in old if files.owns(p.relative_to(out).as_posix())]
     for p in old:
+        remove_sharded(p, files)  # the DCP shards of a sharded step
         p.unlink(missing_ok=True)
         manifest_path(p).unlink(missing_ok=True)
-        remove_sharded(p, files)  # the DCP shards of a sharded step (a directory DCP wrote)
     if files is not None and old:
         files.discard(*old, *map(manifest_path, old))
-    return path
 
 
 def load_checkpoint(path: str | os.PathLike) -> Any:

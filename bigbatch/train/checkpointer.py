@@ -14,18 +14,27 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bigbatch.parallel.world import World
+from bigbatch.parallel.world import World, broadcast
 from bigbatch.train import data
 from bigbatch.train.checkpoint import (
     CHECKPOINT_FORMAT,
+    CheckpointSaveError,
     WriteError,
     atomic_save,
     checkpoint_path,
     failure_reason,
+    kept_line,
     save_checkpoint,
+    save_failure,
     set_rng_state,
 )
-from bigbatch.train.sharded import save_sharded, whole_model_state
+from bigbatch.train.sharded import (
+    ShardedStateError,
+    remove_sharded,
+    save_sharded,
+    sharded_dir,
+    whole_model_state,
+)
 
 __all__ = ["Checkpointer"]
 
@@ -52,28 +61,60 @@ class Checkpointer:
              counters: Callable[[], dict[str, Any]]) -> None:
         """Checkpoint `run` at its step (every rank); `rngs`: every worker's RNG states
         (`rng_state()` gathered); `counters()` (the trainer's, taken last) follow the
-        engine's and the sampler's state in the payload."""
+        engine's and the sampler's state in the payload.
+
+        A failed save raises `CheckpointSaveError` on every rank (rank 0's says what
+        failed, where and how much space is left; the others' are `everywhere`), after
+        what it wrote is removed: the earlier checkpoints are untouched."""
         engine = run.state_dict()  # every rank: ZeRO gathers its optimizer state here
         main = self.world.is_main
+        path = checkpoint_path(self.out, run.step)
+        shards: dict[str, dict] = {}
         if self.sharded:
-            save_sharded(checkpoint_path(self.out, run.step), run.module, run.optimizer,
-                         main, files=self.files if main else None)
+            try:
+                shards = save_sharded(path, run.module, run.optimizer, main,
+                                      files=self.files if main else None)
+            except ShardedStateError as e:
+                self._fail(f"saving checkpoint {sharded_dir(path).name}/ failed "
+                           f"({save_failure(e.reason, e.where)}); {kept_line(self.out, path)}",
+                           e)
+        error = None
         if main:
             state = {"model": run.module.state_dict()} if not self.sharded else {"sharded": True}
-            self.last = save_checkpoint(self.out, run.step, {
-                "format": CHECKPOINT_FORMAT,
-                "step": run.step,
-                **state,
-                "engine": engine,
-                "sampler": sampler.state_dict(),
-                "samples": samples,
-                "rng": rngs,
-                "world_size": self.world.world_size,
-                **counters(),
-            }, keep=self.keep, files=self.files)
+            try:
+                self.last = save_checkpoint(self.out, run.step, {
+                    "format": CHECKPOINT_FORMAT,
+                    "step": run.step,
+                    **state,
+                    "engine": engine,
+                    "sampler": sampler.state_dict(),
+                    "samples": samples,
+                    "rng": rngs,
+                    "world_size": self.world.world_size,
+                    **counters(),
+                }, keep=self.keep, files=self.files, shards=shards)
+            except CheckpointSaveError as e:
+                if self.sharded and not path.exists():  # no payload: its shards go too
+                    remove_sharded(path, self.files)
+                error = e
         else:
-            self.last = checkpoint_path(self.out, run.step)
+            self.last = path
+        self._agree(error)
         self.saved = (run.step, samples)
+
+    def _agree(self, error: WriteError | None) -> None:
+        """Collective: rank 0's write `error` (or None) raised on every rank."""
+        message = broadcast(str(error) if error is not None else None, self.world)
+        if error is not None:
+            raise error
+        if message is not None:
+            self._fail(message)
+
+    @staticmethod
+    def _fail(message: str, cause: BaseException | None = None) -> None:
+        error = CheckpointSaveError(message)
+        error.everywhere = True
+        raise error from cause
 
     def restore(self, ckpt: dict, run: Any, sampler: Any, seed: int) -> None:
         """Put the engine's state, the sampler's position and this worker's RNG streams
@@ -92,11 +133,15 @@ class Checkpointer:
         rank 0 writes)."""
         weights = (whole_model_state(run.module, run.mesh, run.pipeline) if self.sharded
                    else run.module.state_dict())
+        error = None
         if self.world.is_main:
             final = self.out / "final.pt"
             self.files.add(final)
             try:
                 atomic_save(weights, final)
             except (OSError, RuntimeError) as e:  # torch reports a full disk as RuntimeError
-                raise WriteError(f"writing {final} failed ({failure_reason(e)}); the last "
-                                 f"checkpoint {self.last.name} is kept") from e
+                error = WriteError(f"writing {final} failed "
+                                   f"({save_failure(failure_reason(e), self.out)}); the last "
+                                   f"checkpoint {self.last.name} is kept")
+                error.__cause__ = e
+        self._agree(error)

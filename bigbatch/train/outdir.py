@@ -5,8 +5,11 @@ adds its path to `OUT/.bigbatch-files.json` (and the folders it created); only
 recorded paths are ever deleted: by `--overwrite`, when old checkpoints are
 pruned, and the temporary files of saves that a killed job left behind. A folder
 is never removed because of its name, only when bigbatch created it and it is
-empty. A directory written by bigbatch 0.1.0 (no record) is recognised by its
-`run.json`, and its files by their exact names.
+empty. A sharded save's temporary folder (`checkpoints/.step-N.tmp/`) is recorded
+before DCP writes in it; the files DCP names there are bigbatch's, and a leftover
+one is removed on the next start (fresh, `--resume` or `--overwrite`). A directory
+written by bigbatch 0.1.0 (no record) is recognised by its `run.json`, and its
+files by their exact names.
 
 Every check here reads only: a mistake is reported before anything is written.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -24,13 +28,19 @@ from bigbatch.errors import ConfigError
 from bigbatch.parallel.world import World, broadcast
 from bigbatch.train.checkpoint import (
     CHECKPOINT_DIR,
+    CheckpointDamagedError,
     latest_checkpoint,
     list_checkpoints,
     manifest_path,
+    resume_checkpoint,
     write_text_atomic,
 )
 from bigbatch.train.lock import LOCK_FILE, hold
 from bigbatch.train.progress import METRICS_FILE, TENSORBOARD_DIR
+from bigbatch.train.sharded import is_dcp_file, remove_dcp_files
+from bigbatch.train.verified import agree_on_checkpoint
+
+log = logging.getLogger(__name__)
 
 __all__ = ["RECORD_FILE", "RUN_FILE", "RunFiles", "check_fresh", "check_out_path", "prepare_out"]
 
@@ -40,15 +50,19 @@ OUTPUT_FILES = (METRICS_FILE, "summary.json", "final.pt", "strategy.toml", RUN_F
 OUTPUT_DIRS = (CHECKPOINT_DIR, TENSORBOARD_DIR)
 _TEMP = re.compile(r"^\.(.+)\.\d+\.tmp$")  # atomic writes: .NAME.PID.tmp beside NAME
 _LEGACY = re.compile(r"^(checkpoints/step-\d+\.(pt|json)|tensorboard/events\.out\.tfevents\..+)$")
+# A sharded save's temporary folder (bigbatch's by its name, recorded or from an older run).
+_TEMP_DIR = re.compile(rf"^{CHECKPOINT_DIR}/\.step-\d+\.tmp$")
 
 
 class RunFiles:
     """The paths (relative to `out`, '/'-separated) of the files and folders bigbatch wrote."""
 
     def __init__(self, out: str | os.PathLike, files: set[str] | None = None,
-                 dirs: set[str] | None = None):
+                 dirs: set[str] | None = None, temp_dirs: set[str] | None = None):
         self.out = Path(out)
         self.files, self.dirs = set(files or ()), set(dirs or ())
+        self.temp_dirs = set(temp_dirs or ())
+        """Temporary folders of sharded saves: DCP's files in them are bigbatch's."""
 
     @classmethod
     def read(cls, out: str | os.PathLike) -> RunFiles | None:
@@ -56,7 +70,7 @@ class RunFiles:
         out = Path(out)
         try:
             data = json.loads((out / RECORD_FILE).read_text())
-            return cls(out, set(data["files"]), set(data["dirs"]))
+            return cls(out, set(data["files"]), set(data["dirs"]), set(data.get("temp_dirs", ())))
         except FileNotFoundError:
             pass
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -71,7 +85,8 @@ class RunFiles:
 
     def save(self) -> None:
         write_text_atomic(self.out / RECORD_FILE, json.dumps(
-            {"format": 1, "files": sorted(self.files), "dirs": sorted(self.dirs)}, indent=1) + "\n")
+            {"format": 1, "files": sorted(self.files), "dirs": sorted(self.dirs),
+             "temp_dirs": sorted(self.temp_dirs)}, indent=1) + "\n")
 
     def add(self, *paths: str | os.PathLike) -> None:
         """Record files before they are written (saved at once when any is new)."""
@@ -96,14 +111,52 @@ class RunFiles:
             path.mkdir(parents=True, exist_ok=True)
         return path
 
+    def add_temp_dir(self, path: str | os.PathLike) -> None:
+        """Record a sharded save's temporary folder before anything is written in it (and
+        the checkpoints folder it is in, when bigbatch makes that)."""
+        rel = self._rel(path)
+        parent = rel.rpartition("/")[0]
+        if parent and not (self.out / parent).is_dir():
+            self.make_dir(parent)
+        if rel not in self.temp_dirs:
+            self.temp_dirs.add(rel)
+            self.save()
+
+    def discard_temp_dir(self, path: str | os.PathLike) -> None:
+        """Forget a temporary folder that is gone (renamed or removed)."""
+        rel = self._rel(path)
+        if rel in self.temp_dirs and not (self.out / rel).exists():
+            self.temp_dirs.discard(rel)
+            self.save()
+
+    def add_dir(self, path: str | os.PathLike, files: list[Path]) -> None:
+        """Record a folder bigbatch is about to make (by a rename) and its files."""
+        self.dirs.add(self._rel(path))
+        self.files |= {self._rel(p) for p in files}
+        self.save()
+
+    def forget_dir(self, path: str | os.PathLike) -> None:
+        """Forget a folder bigbatch removed."""
+        rel = self._rel(path)
+        if rel in self.dirs:
+            self.dirs.discard(rel)
+            self.save()
+
     def owns(self, rel: str) -> bool:
-        """True for a recorded file, the record and lock themselves, and a leftover
-        temporary file of a recorded file."""
+        """True for a recorded file, the record and lock themselves, a leftover temporary
+        file of a recorded file, and the files DCP names in a sharded save's temporary
+        folder."""
         if rel in self.files or rel in (RECORD_FILE, LOCK_FILE):
             return True
         head, _, name = rel.rpartition("/")
+        if (head in self.temp_dirs or _TEMP_DIR.match(head)) and is_dcp_file(name):
+            return True
         m = _TEMP.match(name)
         return m is not None and self.owns(f"{head}/{m[1]}" if head else m[1])
+
+    def owns_path(self, path: str | os.PathLike) -> bool:
+        """`owns` for a path given as `out / ...`."""
+        return self.owns(self._rel(path))
 
     def leftover_temps(self) -> list[Path]:
         """Temporary files of interrupted saves of recorded files."""
@@ -115,9 +168,27 @@ class RunFiles:
                     found.append(self.out / rel)
         return found
 
+    def leftover_temp_dirs(self) -> list[Path]:
+        """Temporary folders of interrupted sharded saves (recorded, or named as ours)."""
+        names = set(self.temp_dirs)
+        names |= {f"{CHECKPOINT_DIR}/{p.name}" for p in _folders(self.out / CHECKPOINT_DIR)
+                  if _TEMP_DIR.match(f"{CHECKPOINT_DIR}/{p.name}")}
+        return [self.out / rel for rel in sorted(names) if (self.out / rel).is_dir()]
+
     def remove_temps(self) -> None:
+        """Delete the temporary files and folders that interrupted saves left behind (a
+        folder only once it is empty: another program's file in it stays, with a note)."""
         for p in self.leftover_temps():
             p.unlink(missing_ok=True)
+        for d in self.leftover_temp_dirs():
+            kept = remove_dcp_files(d, self.owns_path)
+            if kept:
+                log.warning("note: kept %s/ for %s, which bigbatch did not write",
+                            self._rel(d), kept[0])
+        gone = {rel for rel in self.temp_dirs if not (self.out / rel).exists()}
+        if gone:
+            self.temp_dirs -= gone
+            self.save()
 
     def begin(self, overwrite: bool = False) -> None:
         """Before a run writes: with `overwrite` delete the previous run's files; remove the
@@ -153,6 +224,10 @@ class RunFiles:
         if not p.is_absolute():
             return p.as_posix()
         return p.resolve().relative_to(self.out.resolve()).as_posix()
+
+
+def _folders(path: Path) -> list[Path]:
+    return [p for p in path.iterdir() if p.is_dir()] if path.is_dir() else []
 
 
 def _listing(out: Path, rel: str, recursive: bool = True) -> list[str]:
@@ -220,15 +295,16 @@ def check_fresh(out: str | os.PathLike, overwrite: bool) -> RunFiles | None:
 def _describe(out: Path) -> str:
     if (out / "summary.json").is_file():
         return "finished"
-    ckpt = latest_checkpoint(out)
+    ckpt = latest_checkpoint(out, warn=False)
     return f"latest checkpoint {ckpt.name}" if ckpt is not None else "no checkpoint"
 
 
 def prepare_out(config: Any, world: World, held: contextlib.ExitStack
                 ) -> tuple[Path | None, RunFiles | None]:
     """Check the output directory and take its lock (rank 0; `held` keeps it): returns the
-    checkpoint to resume from (None for a fresh run; every rank) and, on rank 0, the record
-    of the run's files. A ConfigError is raised on every rank.
+    checkpoint to resume from (None for a fresh run; every rank: the newest whose every
+    file every rank verified, `bigbatch.train.verified`) and, on rank 0, the record of the
+    run's files. A ConfigError or `CheckpointDamagedError` is raised on every rank.
 
     Nothing is written here but the lock: `RunFiles.begin` writes, once the run's own
     checks have passed.
@@ -242,15 +318,20 @@ def prepare_out(config: Any, world: World, held: contextlib.ExitStack
                 if locked:
                     held.enter_context(hold(out))
                 if config.resume:
-                    ckpt = latest_checkpoint(out)
-                    if ckpt is None:
-                        raise ConfigError(f"--resume: no checkpoint in {out / CHECKPOINT_DIR}")
+                    ckpt = resume_checkpoint(out)
                     files = RunFiles.read(out) or RunFiles(out)
                 else:
                     files = check_fresh(out, config.overwrite) or RunFiles(out)
-        except ConfigError as e:
-            error = str(e)
+        except (ConfigError, CheckpointDamagedError) as e:
+            error = (isinstance(e, ConfigError), str(e))
     error, ckpt = broadcast((error, str(ckpt) if ckpt else None), world)
     if error is not None:
-        raise ConfigError(error)
-    return (Path(ckpt) if ckpt else None), files
+        usage, message = error
+        if usage:
+            raise ConfigError(message)
+        damaged = CheckpointDamagedError(message)
+        damaged.everywhere = True
+        raise damaged
+    if ckpt is None:
+        return None, files
+    return agree_on_checkpoint(out, Path(ckpt), world), files

@@ -1,5 +1,11 @@
 """Server 0's main thread in parameter-server mode: between steps it logs, evaluates
-and checkpoints, then releases the step's replies (see `bigbatch.train.ps_job`)."""
+and checkpoints, then releases the step's replies (see `bigbatch.train.ps_job`).
+
+A step is one global batch of gradients applied, in both modes (as `--steps`, the
+metrics, the checkpoints and the summary count it): in sync mode one server update,
+in async mode as many updates as there are workers (`per`). Logs, evaluations and
+checkpoints happen at step boundaries only, a stop on a signal included: an async
+server applies the pushes that complete the step in progress first."""
 
 from __future__ import annotations
 
@@ -27,6 +33,9 @@ from bigbatch.train.summary import run_summary
 
 __all__ = ["Driver"]
 
+_POLL_S = 0.2
+"""How often server 0, waiting for gradients, looks for a stop signal."""
+
 
 class Driver:
     """Logs, evaluation and checkpoints of a parameter-server run, on server 0."""
@@ -36,7 +45,7 @@ class Driver:
         self.job, self.run, self.server = job, run, server
         cfg, plan = job.config, job.plan
         self.sync = job.cfg.mode == "sync"
-        per = 1 if self.sync else job.workers  # server steps per global batch
+        self.per = per = 1 if self.sync else job.workers  # server updates per step
         self.batch = plan.global_batch_size // per
         self.steps_per_epoch = job.spe * per
         self.ckpt_every = (cfg.checkpoint_every * per if cfg.checkpoint_every
@@ -54,6 +63,9 @@ class Driver:
         self._t_log, self._samples_log = time.perf_counter(), self.samples
         self.signal: int | None = None
         """A stop signal seen here or by a worker (its pushes carry it)."""
+        self.saved: int | None = saved.get("step")
+        """The step the last checkpoint holds (the resumed one's, before the first save)."""
+        self.saved_path: Path | None = job.resume_from
         server.is_done = lambda: run.done
         out = Path(cfg.out)
         job.files.begin(overwrite=cfg.overwrite and not cfg.resume)
@@ -62,7 +74,8 @@ class Driver:
         self.writer = MetricsWriter(out, tensorboard=cfg.tensorboard, files=job.files,
                                     resume_step=job.ckpt["step"] if job.ckpt is not None else None)
         # The checkpoint's step, not run.step: the workers may have pushed a step already.
-        self.bar = ProgressBar(run.total_steps, int(run.progress), enabled=True, bar=cfg.progress)
+        self.bar = ProgressBar(job.total_steps, int(run.progress // per), enabled=True,
+                               bar=cfg.progress)
         if job.ckpt is not None:
             self.bar.print(f"resuming {out} from step {job.ckpt['step']} ({job.cfg.mode} parameter "
                            f"server, {job.servers} server(s), {job.workers} worker(s))")
@@ -77,19 +90,35 @@ class Driver:
     def samples_per_s(self) -> float | None:
         return float(statistics.median(self._rates)) if self._rates else None
 
+    def _own_signal(self) -> int | None:
+        self.signal = self.signal or (self.job.stop.requested if self.job.stop else None)
+        return self.signal
+
+    def _next_event(self) -> tuple[int, list[Any], Any] | None:
+        """The next applied update's (version, pushes, release); None when a stop signal
+        came while none arrives (a worker is gone: the step cannot complete). Raises
+        TimeoutError when none arrives within the timeout."""
+        deadline = time.monotonic() + self.job.timeout
+        while True:
+            try:
+                return self.server.events.get(timeout=min(_POLL_S, self.job.timeout))
+            except queue.Empty:
+                pass
+            if self._own_signal() is not None:
+                return None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"parameter server: no gradient arrived within "
+                                   f"data_parallel.timeout_s={self.job.timeout:g} (timed out)")
+
     def loop(self) -> dict[str, Any]:
         run, server = self.run, self.server
         while True:
-            try:
-                version, pushes, release = server.events.get(timeout=self.job.timeout)
-            except queue.Empty:
-                raise TimeoutError(f"parameter server: no gradient arrived within "
-                                   f"data_parallel.timeout_s={self.job.timeout:g} (timed out)"
-                                   ) from None
+            event = self._next_event()
+            if event is None:  # stopped while no step is in progress
+                return self._stop(None)
+            version, pushes, release = event
             self._take(version, pushes)
-            own = self.job.stop.requested if self.job.stop is not None else None
-            self.signal = self.signal or own
-            if self.signal is not None and not run.done:
+            if self._own_signal() is not None and not run.done and version % self.per == 0:
                 self._log(version)
                 return self._stop(release)
             with server.lock:  # no step is applied once done, so no event can follow
@@ -109,7 +138,7 @@ class Driver:
                 elif version % self.ckpt_every == 0:
                     self.checkpoint()
             release()
-        metrics = self.evaluate(run.step)  # the last step's events skip the per-epoch one
+        metrics = self.evaluate(server.version)  # the last step's events skip the per-epoch one
         self.checkpoint()
         with server.lock:
             weights = {k: v.clone() for k, v in self.job.full_model(server, run.step
@@ -121,10 +150,17 @@ class Driver:
 
     def _stop(self, release: Any) -> dict[str, Any]:
         """A signal: checkpoint this step (every server's state, every worker's position),
-        tell the workers to stop, and raise `Stopped` on the way out (`Job.stopped`)."""
+        tell the workers to stop, and raise `Stopped` on the way out (`Job.stopped`).
+        Between steps (`release` None: a worker is gone mid-step) the last completed step
+        is checkpointed, unless the last checkpoint holds it already."""
         self.server.finish()  # no later push is applied; its reply says stop
-        step, path = self.checkpoint()
-        release()
+        step = self.server.version // self.per
+        if self.server.version % self.per == 0 and self.saved != step:
+            step, path = self.checkpoint()
+        else:
+            step, path = self.saved, self.saved_path
+        if release is not None:
+            release()
         self.bar.close()
         self.writer.close()
         self.job.stopped = Stopped(self.signal, step, path)
@@ -156,7 +192,7 @@ class Driver:
         loss = self._loss[0] / max(self._loss[1], 1.0)
         self._loss = [0.0, 0.0]
         stats = self.run.stats
-        record = {"kind": "train", "step": step, "epoch": self.epoch, "loss": loss,
+        record = {"kind": "train", "step": step // self.per, "epoch": self.epoch, "loss": loss,
                   "samples_per_s": rate, "global_batch_size": self.job.plan.global_batch_size,
                   **{k: v for k, v in stats.items() if k != "step"}}
         if not self.sync:
@@ -165,17 +201,19 @@ class Driver:
                           dropped=self.server.dropped)
             self._stale = []
         self.writer.write(record)
-        self.bar.update(min(self.run.progress, self.run.total_steps), epoch=self.epoch,
-                        loss=loss, lr=stats["lr"], samples_per_s=rate)
+        self.bar.update(min(self.run.progress // self.per, self.job.total_steps),
+                        epoch=self.epoch, loss=loss, lr=stats["lr"], samples_per_s=rate)
 
     @property
     def epoch(self) -> float:
         return self.samples / (self.job.spe * self.job.plan.global_batch_size)
 
-    def evaluate(self, step: int) -> dict[str, float]:
+    def evaluate(self, version: int) -> dict[str, float]:
+        """Test metrics of the model at server `version` (a step boundary)."""
         with self.server.lock:
-            weights = self.job.full_model(self.server, step if self.sync else 0)
+            weights = self.job.full_model(self.server, version if self.sync else 0)
             self.eval_model.load_state_dict(weights)
+        step = version // self.per
         job = self.job
         batches = data.shard_batches(job.task.test_set, 0, 1, job.config.eval_batch_size)
         metrics = job.task.evaluate(self.eval_model, batches)
@@ -189,6 +227,7 @@ class Driver:
         payload = self.job.checkpoint_payload(self.run, self.server, self)
         path = save_checkpoint(Path(self.job.config.out), payload["step"], payload,
                                keep=self.job.config.keep_checkpoints, files=self.job.files)
+        self.saved, self.saved_path = payload["step"], path
         return payload["step"], path
 
 
@@ -213,7 +252,8 @@ def summary_of(job: Any, run: Any, server: Any, driver: Any,
     plan, task = job.plan, job.task
     hist = dict(sorted(server.staleness.items()))
     return run_summary(
-        task=task, model=task.check_model(job.config.model), metrics=metrics, steps=run.step,
+        task=task, model=task.check_model(job.config.model), metrics=metrics,
+        steps=run.step // driver.per,
         epochs=driver.samples / (job.spe * plan.global_batch_size), samples=driver.samples,
         plan=dataclasses.replace(plan, peak_lr=run.plan.peak_lr),
         world_size=job.world.world_size, strategy=job.strategy, seed=job.config.seed,

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -94,7 +96,7 @@ def train_parameter_server(config: Any, strategy: Any, world: World,
             model.load_state_dict(ckpt["model"])
         cfg = strategy.parameter_server
         timeout = strategy.data_parallel.timeout_s
-        ps.start_rpc(world.rank, world.world_size, cfg.servers, timeout)
+        ps.start_rpc(world.rank, world.world_size, cfg.servers, timeout, _rpc_init_method())
         rpc_on = True
         job = _Job(config, strategy, task, model, plan, total_steps, spe, ckpt, world)
         job.files, job.stop = files, stop
@@ -102,17 +104,67 @@ def train_parameter_server(config: Any, strategy: Any, world: World,
             result = job.serve(resume_from)
         else:
             result = job.work(sampler, slow_worker)
-        rpc.shutdown()  # graceful: waits for every rank, serving calls meanwhile
         rpc_on = False
+        _leave_rpc(timeout)
         if job.stopped is not None:
             raise job.stopped
         return result
     finally:
         if rpc_on:
-            rpc.shutdown()  # graceful: waits for every rank, serving calls meanwhile
+            _leave_rpc(timeout)
         if owns_group:
             teardown()
         held.close()
+
+
+_RPC_SCHEME = "bigbatch-attempt"
+
+
+def _attempt_rendezvous(url: str, **kwargs: Any) -> Any:
+    """env://, with keys that are this torchrun attempt's own: the agent's store outlives a
+    restart of the worker group (`--max-restarts`), and RPC would read the dead attempt's
+    keys as this one's (`bigbatch.parallel.world` does the same for the process group)."""
+    from datetime import timedelta
+    from urllib.parse import parse_qs, urlparse
+
+    query = parse_qs(urlparse(url).query)
+    rank, size = int(query["rank"][0]), int(query["world_size"][0])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size,
+                          is_master=False, timeout=timedelta(seconds=300))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    yield dist.PrefixStore(f"bigbatch/attempt_{attempt}/rpc/", store), rank, size
+
+
+def _rpc_init_method() -> str | None:
+    """The RPC rendezvous under torchrun's agent store (None: torch's own, env://)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from torch.distributed.rendezvous import register_rendezvous_handler
+
+    with contextlib.suppress(RuntimeError):  # registered already (a second run here)
+        register_rendezvous_handler(_RPC_SCHEME, _attempt_rendezvous)
+    return f"{_RPC_SCHEME}://"
+
+
+def _leave_rpc(timeout: float) -> None:
+    """Leave the RPC group once every rank is done with it (a barrier on the process group,
+    while the RPC threads serve the last calls). A lost peer fails that barrier at once,
+    a hung one within `timeout`: then this rank leaves alone, so that torchrun gets it
+    back within --timeout to end or restart the job."""
+    try:
+        dist.barrier()
+        together = True
+    except RuntimeError:
+        together = False
+    quiet = logging.getLogger("torch.distributed.rpc.api")  # its traceback says the same
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        rpc.shutdown(graceful=together, timeout=timeout)
+    except RuntimeError:
+        pass  # a rank did not come after all: the local shutdown is done all the same
+    finally:
+        quiet.setLevel(level)
 
 
 class _Job:
@@ -127,6 +179,7 @@ class _Job:
         self.saved = ckpt["parameter_server"] if ckpt is not None else None
         self.timeout = strategy.data_parallel.timeout_s
         self.stop: Any = None
+        self.resume_from: Path | None = None
         self.stopped: Stopped | None = None
         """Set when the run ended on a signal: server 0's says where it stopped; the other
         ranks' (raised too, for the exit status) carry no step."""
@@ -220,6 +273,7 @@ class _Job:
 
     def serve(self, resume_from: Path | None) -> dict[str, Any]:
         index = self.world.rank
+        self.resume_from = resume_from
         run = self._server_run(index)
         owned = [p for p, o in zip(self.params, self.owner, strict=True) if o == index]
         server = ps.Server(index, owned, self.workers, self.cfg.mode, self.cfg.max_staleness,
@@ -265,13 +319,17 @@ class _Job:
                 dropped.append(0)
         with server.lock:
             model = {k: v.clone() for k, v in self.full_model(server, version if sync else 0).items()}
-        engine = dict(states[0])
+        # The run as a whole, in steps of one global batch (an async server updates once
+        # per worker's push); each server's own state, in its updates, is server_states'.
+        per = driver.per
+        engine = {**states[0], "step": run.step // per, "progress": run.progress / per}
         p = self.plan
         engine["batch"] = BatchState(p.global_batch_size, p.micro_batch_size, p.k_steps,
                                      self.workers, run.unit_batch_size if sync else
                                      p.global_batch_size, configured_sizes(self.strategy)).to_dict()
         return {
-            "format": CHECKPOINT_FORMAT, "step": run.step, "model": model, "engine": engine,
+            "format": CHECKPOINT_FORMAT, "step": run.step // per, "model": model,
+            "engine": engine,
             "parameter_server": {
                 "mode": self.cfg.mode, "servers": self.servers, "workers": self.workers,
                 "server_states": states, "versions": versions, "staleness": staleness,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
+import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,11 +24,21 @@ import torch
 from torch import nn
 
 from bigbatch.errors import ConfigError
+from bigbatch.train.manifest import digest, file_problem, shard_entries, share
 
-__all__ = ["check_sharded_fits", "whole_model_state", "load_sharded", "remove_sharded",
-           "save_sharded", "sharded_dir", "sharded_problem"]
+try:
+    from torch.distributed.checkpoint.api import CheckpointException
+except ImportError:  # a torch without DCP: nothing here runs
+    CheckpointException = OSError  # type: ignore[misc,assignment]
 
+__all__ = ["ShardedStateError", "check_sharded_fits", "is_dcp_file", "load_sharded",
+           "remove_dcp_files", "remove_sharded", "save_sharded", "shard_problem",
+           "sharded_dir", "sharded_problem", "temp_dir", "whole_model_state"]
+
+log = logging.getLogger(__name__)
 _METADATA = ".metadata"  # DCP's own index file, written last by its coordinator
+# What DCP's file-system writer names its files: shards, the index, their temporaries.
+_DCP_NAME = re.compile(r"^(__\d+_\d+\.distcp|(__\d+)?\.metadata(\.tmp)?)$")
 
 
 def sharded_dir(payload: str | os.PathLike) -> Path:
@@ -60,71 +70,239 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]
     return {"model": model_sd, "optimizer": optim_sd}
 
 
+class ShardedStateError(OSError):
+    """DCP could not save or load a checkpoint's shards (raised alike on every rank).
+
+    `reason`: why, in a few words (the lowest failed rank's error); `where`: the folder."""
+
+    everywhere = True  # every rank raises it: one of them says so
+
+    def __init__(self, message: str, reason: str, where: Path) -> None:
+        super().__init__(message)
+        self.reason, self.where = reason, where
+
+
+def temp_dir(final: Path) -> Path:
+    """Where DCP writes the shards of `final` until they are complete."""
+    return final.with_name(f".{final.name}.tmp")
+
+
+def is_dcp_file(name: str) -> bool:
+    """A file name DCP's file-system writer uses (shards, index, their temporaries)."""
+    return _DCP_NAME.match(name) is not None
+
+
+def remove_dcp_files(folder: Path, owns: Any = None) -> list[str]:
+    """Delete the files DCP wrote in `folder` (those `owns(path)` accepts, when given), then
+    the folder if it is empty. Returns the names of what stays (another program's files)."""
+    if not folder.is_dir():
+        return []
+    kept = []
+    for p in sorted(folder.iterdir()):
+        if p.is_file() and is_dcp_file(p.name) and (owns is None or owns(p)):
+            p.unlink(missing_ok=True)
+        else:
+            kept.append(p.name)
+    if not kept:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+    return kept
+
+
+def _first_failure(e: BaseException) -> BaseException:
+    """The underlying error of DCP's CheckpointException (the lowest failed rank's)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = failures[min(failures)]
+        return inner[0] if isinstance(inner, tuple) else inner
+    return e
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _all(obj: Any) -> list[Any]:
+    """Every rank's `obj` (just this one without a process group)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _agree(reason: str | None) -> str | None:
+    """Collective: the first rank's failure (a few words), or None when no rank failed."""
+    return next((r for r in _all(reason) if r is not None), None)
+
+
+def _rank_and_size() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
 def save_sharded(payload: str | os.PathLike, model: nn.Module,
-                 optimizer: torch.optim.Optimizer, is_main: bool, files: Any = None) -> Path:
+                 optimizer: torch.optim.Optimizer, is_main: bool,
+                 files: Any = None) -> dict[str, dict[str, Any]]:
     """Collective: write the model's and optimizer's shards for checkpoint `payload`.
 
-    Written to a temporary directory that rank 0 renames once DCP has finished on
-    every rank, so a crash mid-save never leaves a directory that looks whole. `files`
-    (rank 0's `RunFiles`) records the directory and what DCP wrote in it as bigbatch's.
+    DCP writes into a temporary folder (recorded in `files`, rank 0's `RunFiles`, before
+    anything is written there) that rank 0 renames once every rank has finished and
+    hashed its share of the files. Returns, on rank 0, the size and sha256 of every file
+    (keyed by its path relative to `checkpoints/`) for the manifest. A failure on any
+    rank raises `ShardedStateError` on every rank, after rank 0 removed what the save
+    wrote; the earlier checkpoints are untouched.
     """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     final = sharded_dir(payload)
-    tmp = final.with_name(f".{final.name}.tmp")
+    tmp = temp_dir(final)
+    rank, size = _rank_and_size()
+    reason = None
     if is_main:
-        shutil.rmtree(tmp, ignore_errors=True)  # our own leftover from an interrupted save
-    if dist.is_initialized():
-        dist.barrier()
-    with _single_process_ok():
-        dcp.save(_state(model, optimizer), checkpoint_id=tmp, no_dist=not dist.is_initialized())
-    if dist.is_initialized():
-        dist.barrier()
-    if is_main:
-        if final.exists():
-            shutil.rmtree(final)
+        try:
+            if files is not None:
+                files.add_temp_dir(tmp)  # recorded before anything is written in it
+            remove_dcp_files(tmp)  # our own leftover from an interrupted save
+        except OSError as e:
+            reason = _why(e)
+    mine: dict[str, dict[str, Any]] = {}
+    if _agree(reason) is None:  # (and every rank finds the folder clean)
+        try:
+            with _single_process_ok():
+                meta = dcp.save(_state(model, optimizer), checkpoint_id=tmp,
+                                no_dist=not dist.is_initialized())
+            names = sorted({i.relative_path for i in meta.storage_data.values()} | {_METADATA})
+            mine = {name: digest(tmp / name) for name in share(names, rank, size)}
+        except (CheckpointException, OSError, RuntimeError) as e:
+            reason = _why(_first_failure(e))
+    parts = _all((mine, reason))
+    reason = next((r for _, r in parts if r is not None), None)
+    digests: dict[str, dict[str, Any]] = {}
+    if reason is None and is_main:
+        digests = {f"{final.name}/{k}": v for part, _ in parts for k, v in part.items()}
+        try:
+            _commit(tmp, final, files)
+        except OSError as e:
+            reason = _why(e)
+    reason = _agree(reason)
+    if reason is not None:
+        if is_main:
+            with contextlib.suppress(OSError):
+                remove_dcp_files(tmp)
+                if files is not None:
+                    files.discard_temp_dir(tmp)
+        raise ShardedStateError(f"{tmp}: {reason}", reason, tmp.parent)
+    return digests
+
+
+def _commit(tmp: Path, final: Path, files: Any) -> None:
+    """Rank 0: the shards in `tmp` become `final` (recorded first). A `final` of an
+    earlier save of this step loses its DCP files; another program's files in it stay,
+    and the new shards join them there."""
+    new = sorted(p.name for p in tmp.iterdir() if is_dcp_file(p.name))
+    if files is not None:
+        files.add_dir(final, [final / name for name in new])
+    owns = (lambda p: files.owns_path(p)) if files is not None else None
+    if final.exists() and remove_dcp_files(final, owns):
+        for name in sorted(new, key=lambda n: n == _METADATA):  # the index last
+            os.replace(tmp / name, final / name)
+        remove_dcp_files(tmp)
+    else:
         os.replace(tmp, final)
-        if files is not None:
-            files.dirs.add(final.relative_to(files.out).as_posix())
-            files.add(*sorted(final.iterdir()))
-    if dist.is_initialized():
-        dist.barrier()
-    return final
+    if files is not None:
+        files.discard_temp_dir(tmp)
 
 
 def load_sharded(payload: str | os.PathLike, model: nn.Module,
                  optimizer: torch.optim.Optimizer) -> None:
     """Collective: load checkpoint `payload`'s shards into this rank's part of the
-    model and optimizer, resharding when the mesh changed since the save."""
+    model and optimizer, resharding when the mesh changed since the save. A read that
+    fails on any rank (the shards were verified before: an I/O fault) raises
+    `ShardedStateError` on every rank."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = _state(model, optimizer)
-    with _single_process_ok():
-        dcp.load(state, checkpoint_id=sharded_dir(payload), no_dist=not dist.is_initialized())
+    folder = sharded_dir(payload)
+    try:
+        with _single_process_ok():
+            dcp.load(state, checkpoint_id=folder, no_dist=not dist.is_initialized())
+    except (CheckpointException, OSError, RuntimeError) as e:
+        why = _why(_first_failure(e))
+        raise ShardedStateError(f"loading checkpoint {folder.name}/ failed ({why})", why,
+                                folder) from None
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"], options=_options())
 
 
 def sharded_problem(payload: str | os.PathLike) -> str | None:
-    """None when the DCP directory of `payload` is complete, else why not (one phrase)."""
+    """None when the DCP folder of `payload` looks complete, else why not (one phrase):
+    its index is there and readable, and every file it refers to holds the bytes it
+    names (the check for a checkpoint whose manifest lists no files)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
     d = sharded_dir(payload)
     if not (d / _METADATA).is_file():
         return f"sharded state {d.name}/ is missing or incomplete"
+    try:
+        meta = FileSystemReader(str(d)).read_metadata()
+        need: dict[str, int] = {}
+        for info in meta.storage_data.values():
+            need[info.relative_path] = max(need.get(info.relative_path, 0),
+                                           info.offset + info.length)
+    except Exception as e:  # a damaged pickle can raise nearly anything
+        return f"{d.name}/{_METADATA} unreadable ({type(e).__name__})"
+    for name, n in sorted(need.items()):
+        try:
+            size = (d / name).stat().st_size
+        except OSError:
+            return f"{d.name}/{name} missing"
+        if size < n:
+            return f"{d.name}/{name} truncated: {size} bytes, {n} needed"
+    return None
+
+
+def shard_problem(payload: Path, rank: int, size: int) -> str | None:
+    """This rank's share of the deep check: the digest of each shard file it is given."""
+    try:
+        entries = shard_entries(payload)
+    except (OSError, ValueError) as e:
+        return f"manifest unreadable ({type(e).__name__})"
+    for rel, entry in share(entries, rank, size):
+        problem = file_problem(payload.parent / rel, entry)
+        if problem is not None:
+            return f"{rel} {problem}"
     return None
 
 
 def remove_sharded(payload: str | os.PathLike, files: Any = None) -> None:
-    """Delete the DCP directory of checkpoint `payload`, if it has one (pruning old steps),
-    and forget it in `files` (the run's record of what bigbatch wrote)."""
+    """Delete the DCP folder of checkpoint `payload`, if it has one (pruning old steps):
+    only the files bigbatch wrote (recorded in `files`, the run's `RunFiles`; without a
+    record, DCP's own), then the folder if it is empty. A folder that still holds
+    another program's files stays, with a one-line note."""
     d = sharded_dir(payload)
-    if (d / _METADATA).is_file():  # only a directory DCP wrote
-        if files is not None:
-            files.discard(*d.iterdir())
-            files.dirs.discard(d.relative_to(files.out).as_posix())
-        shutil.rmtree(d, ignore_errors=True)
+    if not d.is_dir():
+        return
+    owns = (lambda p: files.owns_path(p)) if files is not None else None
+    ours = [p for p in d.iterdir() if p.is_file() and is_dcp_file(p.name)
+            and (owns is None or owns(p))]
+    kept = remove_dcp_files(d, owns)
+    if files is not None:
+        files.discard(*ours)
+        if not d.exists():
+            files.forget_dir(d)
+    if kept:
+        log.warning("note: kept %s/ for %s, which bigbatch did not write", d.relative_to(
+            d.parent.parent) if d.parent.parent != d.parent else d.name,
+            kept[0] if len(kept) == 1 else f"{kept[0]} and {len(kept) - 1} more")
 
 
 def check_sharded_fits(payload: str | os.PathLike, model: nn.Module, shapes: bool = True) -> None:
