@@ -37,7 +37,7 @@ from bigbatch.planner.traffic import (
     schedule_order,
 )
 
-__all__ = ["plan"]
+__all__ = ["plan", "plan_task"]
 
 Example = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 """``example(micro_batch_size) -> (inputs, targets)``: one micro-batch (any device; only
@@ -79,7 +79,10 @@ def _plan(model_fn: Callable[[], nn.Module], strategy: Any, world: int, *,
           example: Example | None, loss: Callable | None,
           tp_plan_of: Callable[[nn.Module], Any], tp_given: bool,
           pipeline_layers: Sequence[Any] | None, gpu_memory: float | None,
-          check_tensor: Callable[[int], None] | None = None) -> LayoutPlan:
+          check_tensor: Callable[[int], None] | None = None,
+          probes: dict | None = None) -> LayoutPlan:
+    """`plan`'s body; `probes` keeps micro-batch probes between plans that differ only in
+    how they shard the state (the ZeRO stage does not change activations or TP traffic)."""
     started = time.perf_counter()
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ConfigError(f"world={world!r}: expected an integer >= 1")
@@ -102,7 +105,8 @@ def _plan(model_fn: Callable[[], nn.Module], strategy: Any, world: int, *,
         rank = stage * deg.data * deg.tensor
         result.ranks.append(_plan_rank(rank, model_fn, strategy, deg, batch, result,
                                        example=example, loss=loss, tp_plan_of=tp_plan_of,
-                                       pipeline_layers=pipeline_layers))
+                                       pipeline_layers=pipeline_layers,
+                                       probes=probes if probes is not None else {}))
     if example is None:
         result.notes.append("no example input: activations, tensor-parallel and pipeline "
                             "traffic not measured")
@@ -175,7 +179,7 @@ def _in_flight(schedule: str | None, micro: int, stage: int, stages: int, virtua
 def _plan_rank(rank: int, model_fn: Callable[[], nn.Module], strategy: Any, deg: Any,
                batch: Any, result: LayoutPlan, *, example: Example | None,
                loss: Callable | None, tp_plan_of: Callable[[nn.Module], Any],
-               pipeline_layers: Sequence[Any] | None) -> RankPlan:
+               pipeline_layers: Sequence[Any] | None, probes: dict) -> RankPlan:
     amp = strategy.amp
     amp_itemsize = 2 if amp.enable else None
     bf16_params = amp.enable and amp.dtype == "bfloat16"
@@ -185,17 +189,22 @@ def _plan_rank(rank: int, model_fn: Callable[[], nn.Module], strategy: Any, deg:
     if example is not None:
         x, y = (t.to("meta") if isinstance(t, torch.Tensor) else t for t in example(micro))
 
+    key = (deg.tensor, deg.pipeline, rank // (deg.data * deg.tensor), micro)
+
     def run_probe(module, pipeline, names, layers, inputs):
         if x is None:
             return None
+        if key in probes:
+            return probes[key]
         context = contextlib.nullcontext
         if deg.tp_enabled:
             from bigbatch.parallel.tensor_parallel import loss_parallel_if
 
             context = lambda: loss_parallel_if(module)  # noqa: E731
-        return probe(module, stage_runs(module, pipeline, layers, inputs, x), names,
-                     loss=loss, targets=y, amp_itemsize=amp_itemsize, recomputed=checkpoints,
-                     loss_context=context)
+        probes[key] = probe(module, stage_runs(module, pipeline, layers, inputs, x), names,
+                            loss=loss, targets=y, amp_itemsize=amp_itemsize,
+                            recomputed=checkpoints, loss_context=context)
+        return probes[key]
 
     with fake_world(rank, result.world) as world:
         with torch.device("meta"):
@@ -260,3 +269,25 @@ def _plan_rank(rank: int, model_fn: Callable[[], nn.Module], strategy: Any, deg:
                 out.notes.append(f"data_parallel reduce {mode!r}: the all-reduce is counted "
                                  "uncompressed (an upper bound)")
     return out
+
+
+def plan_task(task: Any, strategy: Any, world: int, *, model: str | None = None,
+              gpu_memory: float | None = None, probes: dict | None = None) -> LayoutPlan:
+    """`plan` for a built-in task's model (`bigbatch.tasks`): its tensor-parallel plan and
+    checks, its loss, micro-batches shaped like its training data. `probes`: as `_plan`."""
+    from bigbatch.tasks import Task
+
+    name = task.check_model(model)
+    data = task.train_set.tensors
+
+    def example(micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(torch.empty((micro, *t.shape[1:]), dtype=t.dtype, device="meta")
+                     for t in data[:2])
+
+    def loss(output: torch.Tensor, targets: torch.Tensor) -> Any:
+        return task.loss(output, (None, targets))
+
+    return _plan(lambda: task.build_model(name), strategy, world, example=example, loss=loss,
+                 tp_plan_of=task.tp_plan, tp_given=type(task).tp_plan is not Task.tp_plan,
+                 pipeline_layers=None, gpu_memory=gpu_memory,
+                 check_tensor=task.check_tensor_parallel, probes=probes)

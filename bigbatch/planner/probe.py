@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bigbatch.optim._norms import local
 from bigbatch.planner.counting import CommCount, counting
@@ -78,6 +79,16 @@ def _fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sc
         return None
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, scale=scale)[0]
+
+
+class _HostReads(TorchDispatchMode):
+    """A meta tensor read to the host (a loss's item count, ``int(mask.sum())``) reads 1:
+    there is no value, and a count only scales the loss."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            return 1 if not args[0].is_floating_point() else 1.0
+        return func(*args, **(kwargs or {}))
 
 
 class _Saved:
@@ -145,7 +156,7 @@ def probe(module: nn.Module, stages: Sequence[StageRun],
     out = Probe()
     saved = _Saved(_storages(module), amp_itemsize)
     ctx = loss_context() if loss_context is not None else contextlib.nullcontext()
-    with counting(out.comm, names), _FusedAttention(), ctx, \
+    with counting(out.comm, names), _FusedAttention(), _HostReads(), ctx, \
             _recompute_inputs(module, recomputed, saved), \
             torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
         for stage in stages:
