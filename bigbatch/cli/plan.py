@@ -78,7 +78,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
         from bigbatch.planner.suggest import suggest
 
         rows, tried = suggest(strategy, args.world, lambda s, probes: plan_task(
-            task, s, args.world, model=model, gpu_memory=args.gpu_memory, probes=probes),
+            task, s, args.world, model=model, gpu_memory=args.gpu_memory, probes=probes,
+            ends_only=True),
             args.gpu_memory)
     if args.json:
         out = {"task": task.name, "model": model, **planned.to_dict()}

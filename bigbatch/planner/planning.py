@@ -80,9 +80,11 @@ def _plan(model_fn: Callable[[], nn.Module], strategy: Any, world: int, *,
           tp_plan_of: Callable[[nn.Module], Any], tp_given: bool,
           pipeline_layers: Sequence[Any] | None, gpu_memory: float | None,
           check_tensor: Callable[[int], None] | None = None,
-          probes: dict | None = None) -> LayoutPlan:
+          probes: dict | None = None, ends_only: bool = False) -> LayoutPlan:
     """`plan`'s body; `probes` keeps micro-batch probes between plans that differ only in
-    how they shard the state (the ZeRO stage does not change activations or TP traffic)."""
+    how they shard the state (the ZeRO stage does not change activations or TP traffic);
+    `ends_only` simulates a pipeline's first and last stage only (a quick look: the first
+    holds the most micro-batches, the last the head and the loss)."""
     started = time.perf_counter()
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ConfigError(f"world={world!r}: expected an integer >= 1")
@@ -101,7 +103,11 @@ def _plan(model_fn: Callable[[], nn.Module], strategy: Any, world: int, *,
                         schedule=pipe.schedule_mode if deg.pp_enabled else None,
                         virtual=pipe.virtual_stages if deg.pp_enabled else 1,
                         ranks=[], gpu_memory=gpu_memory, strategy=strategy)
-    for stage in range(deg.pipeline):
+    stages = range(deg.pipeline)
+    if ends_only and deg.pipeline > 2:
+        stages = [0, deg.pipeline - 1]
+        result.notes.append(f"stages 0 and {deg.pipeline - 1} of {deg.pipeline} simulated")
+    for stage in stages:
         rank = stage * deg.data * deg.tensor
         result.ranks.append(_plan_rank(rank, model_fn, strategy, deg, batch, result,
                                        example=example, loss=loss, tp_plan_of=tp_plan_of,
@@ -272,7 +278,8 @@ def _plan_rank(rank: int, model_fn: Callable[[], nn.Module], strategy: Any, deg:
 
 
 def plan_task(task: Any, strategy: Any, world: int, *, model: str | None = None,
-              gpu_memory: float | None = None, probes: dict | None = None) -> LayoutPlan:
+              gpu_memory: float | None = None, probes: dict | None = None,
+              ends_only: bool = False) -> LayoutPlan:
     """`plan` for a built-in task's model (`bigbatch.tasks`): its tensor-parallel plan and
     checks, its loss, micro-batches shaped like its training data. `probes`: as `_plan`."""
     from bigbatch.tasks import Task
@@ -290,4 +297,4 @@ def plan_task(task: Any, strategy: Any, world: int, *, model: str | None = None,
     return _plan(lambda: task.build_model(name), strategy, world, example=example, loss=loss,
                  tp_plan_of=task.tp_plan, tp_given=type(task).tp_plan is not Task.tp_plan,
                  pipeline_layers=None, gpu_memory=gpu_memory,
-                 check_tensor=task.check_tensor_parallel, probes=probes)
+                 check_tensor=task.check_tensor_parallel, probes=probes, ends_only=ends_only)

@@ -96,13 +96,15 @@ def render_suggestions(rows: list[Any], gpu_memory: float | None, tried: int) ->
     """The `--suggest` table: layouts that fit, least traffic first."""
     head = (f"layouts that fit {gpu_memory:g} GiB" if gpu_memory is not None
             else "layouts") + f", least traffic first ({len(rows)} of {tried} tried)"
-    lines = [head, f"  {'tp':>3} {'pp':>3} {'zero':>4} {'data':>5} {'peak':>11} "
-             f"{'sent/step':>11} {'bubble':>7}  strategy"]
-    for plan_, sets in rows:
-        d = plan_.degrees
+    lines = [head, f"  {'tp':>3} {'pp':>3} {'zero':>4} {'data':>5} {'micro x accum':>13} "
+             f"{'peak':>11} {'sent/step':>11} {'bubble':>7}"]
+    for plan_, _sets in rows:
+        d, b = plan_.degrees, plan_.batch
         lines.append(f"  {d.tensor:>3} {d.pipeline:>3} {d.stage:>4} {d.data:>5} "
-                     f"{human(plan_.worst.peak):>11} {human(wire_bytes(plan_.busiest.comm)):>11}"
-                     f" {plan_.bubble:>7.3f}  {' '.join(sets) or '(as given)'}")
+                     f"{f'{b.micro_batch_size} x {b.k_steps}':>13} {human(plan_.worst.peak):>11} "
+                     f"{human(wire_bytes(plan_.busiest.comm)):>11} {plan_.bubble:>7.3f}")
     if not rows:
         lines.append("  none")
+    else:
+        lines.append("  (--json lists the --set overrides of each)")
     return "\n".join(lines)

@@ -3,10 +3,13 @@
 Candidates keep the strategy's global batch and micro-batch and vary the tensor degree
 (powers of two up to 8: one node's NVLink domain), the pipeline degree (powers of two up
 to 8, with the accumulation as its micro-batches) and the ZeRO stage (none, 1, 2, 3).
-Each is planned like any other (`bigbatch.planner.planning`); a candidate the engine
-refuses is skipped. Plans that differ only in their ZeRO stage share one micro-batch
-probe. "Least traffic" is the bytes the busiest rank sends per step under ring
-algorithms (`bigbatch.planner.counting.wire_bytes`).
+Each is planned like any other (`bigbatch.planner.planning`), a pipeline's first and
+last stage only; a candidate the engine refuses is skipped. To keep this to minutes for
+a model of tens of billions of parameters: plans that differ only in their ZeRO stage
+share one micro-batch probe, and ZeRO-3 (the least memory) is planned first: when it
+does not fit, the other stages of that tensor and pipeline degree are not tried. "Least
+traffic" is the bytes the busiest rank sends per step under ring algorithms
+(`bigbatch.planner.counting.wire_bytes`).
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def candidates(strategy: Any, world: int) -> Iterator[tuple[list[str], Any]]:
                 sets += ["pipeline.enable=false"]
                 sets += ([f"gradient_merge.k_steps={k}"] if k > 1
                          else ["gradient_merge.enable=false"])
-            for zero in (0, 1, 2, 3):
+            for zero in (3, 0, 1, 2) if data > 1 else (0,):  # one rank has nothing to shard
                 shard = [f"sharding.stage={zero}"] if zero else ["sharding.enable=false"]
                 try:
                     yield sets + shard, strategy.with_overrides(sets + shard)
@@ -77,13 +80,18 @@ def suggest(strategy: Any, world: int, plan_one: Callable[[Any, dict], Any],
     `gpu_memory` GiB (all, without it) as (plan, overrides), least traffic first, and how
     many were tried."""
     probes: dict = {}
-    fitting, tried = [], 0
+    fitting, tried, too_big = [], 0, set()
     for sets, candidate in candidates(strategy, world):
+        shape = tuple(s for s in sets if not s.startswith("sharding"))
+        if shape in too_big:
+            continue
         tried += 1
         try:
             planned = plan_one(candidate, probes)
         except ConfigError:
             continue
+        if planned.fits is False and planned.degrees.stage == 3:
+            too_big.add(shape)
         if planned.fits is not False:
             shown = [s for s in sets if not s.endswith("=false") and "batch" not in s
                      and not s.endswith("_degree=1")]
