@@ -76,7 +76,7 @@ def _measure(layouts: list[tuple[str, int]]) -> dict:
     from bigbatch.planner.counting import CommCount, counting, dims_of
 
     world = int(os.environ["WORLD_SIZE"])
-    out = {}
+    out, known = {}, {}
     for mode, k in layouts:
         torch.manual_seed(0)
         strategy = _strategy(mode, k, world)
@@ -88,6 +88,10 @@ def _measure(layouts: list[tuple[str, int]]) -> dict:
         names = dims_of(run.mesh)
         for _, group in getattr(run.pipeline, "tied", ()):
             names.setdefault(group.group_name, "pp")
+        # DTensor caches sharding decisions by mesh equality (ranks and dim names), so a
+        # layout may reuse an earlier layout's equal mesh and its (live) groups.
+        known.update(names)
+        names = {**known, **names}
         held: dict = {}
 
         def at_step(opt, args, kwargs, run=run, held=held):

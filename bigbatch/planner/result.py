@@ -137,7 +137,7 @@ class LayoutPlan:
             "stages": [{"rank": r.rank, "stages": r.stages, **r.bytes_dict(),
                         "in_flight": r.in_flight,
                         "comm_bytes_per_step": r.comm.to_dict()} for r in self.ranks],
-            "notes": self.notes + [n for r in self.ranks for n in r.notes],
+            "notes": list(dict.fromkeys(self.notes + [n for r in self.ranks for n in r.notes])),
             "seconds": round(self.seconds, 2),
         }
 
