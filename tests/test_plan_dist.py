@@ -105,7 +105,7 @@ def _measure(layouts: list[tuple[str, int]]) -> dict:
         run.optimizer.register_step_pre_hook(at_step)
         gen = torch.Generator().manual_seed(1)
         plan_ = run.plan
-        for step in range(3):
+        for _step in range(3):  # the third step's collectives: the first ones set up
             count = CommCount()
             with counting(count, names):
                 if run.pipeline is not None:

@@ -229,6 +229,10 @@ def _plan_rank(rank: int, model_fn: Callable[[], nn.Module], strategy: Any, deg:
                        activations=layout.probe.activations if layout.probe else None)
         if deg.zero1_enabled and hasattr(layout.optimizer, "_partition_parameters"):
             out.optimizer = _zero1_fullest(layout, strategy)
+        if deg.fsdp_enabled and deg.params_sharded and strategy.sharding.offload:
+            out.offloaded = True
+            out.notes.append("sharding.offload: sharded parameters, gradients and optimizer "
+                             "state in host memory; the peak counts what stays on the GPU")
         stage0 = out.stages[0]
         out.in_flight = _in_flight(result.schedule, k, stage0, deg.pipeline * result.virtual,
                                    result.virtual)

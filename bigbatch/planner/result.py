@@ -51,13 +51,18 @@ class RankPlan:
     """Micro-batches whose activations are alive at once (the schedule's warmup)."""
     comm: CommCount = field(default_factory=CommCount)
     notes: list[str] = field(default_factory=list)
+    offloaded: bool = False
+    """`[sharding] offload`: sharded parameters, gradients and optimizer state live in host
+    memory (the peak on the GPU leaves them out)."""
 
     @property
     def peak(self) -> int:
-        """Estimated peak: state, the larger of the gradients, buffers, live activations."""
+        """Estimated peak on the GPU: state, the larger of the gradients, buffers, live
+        activations (without the offloaded state)."""
         act = int((self.activations or 0) * self.in_flight)
-        return (self.params + self.optimizer + max(self.grads, self.accumulated_grads)
-                + self.buffers + act)
+        state = 0 if self.offloaded else self.params + self.optimizer + self.grads
+        return state + max(0, self.accumulated_grads - (0 if self.offloaded else self.grads)) \
+            + self.buffers + act
 
     def bytes_dict(self) -> dict[str, Any]:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,

@@ -79,10 +79,8 @@ def fsdp_gathers(zero_stage: int, order: str, keep_after_backward: bool) -> int:
     for i, op in enumerate(order):
         if sharded:
             gathers += 1
-        if op == "F":
-            sharded = zero_stage == 3
-        else:
-            sharded = i == last_backward or not keep_after_backward
+        after_backward = i == last_backward or not keep_after_backward
+        sharded = zero_stage == 3 if op == "F" else after_backward
     return gathers
 
 
