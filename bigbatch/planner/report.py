@@ -6,7 +6,7 @@ from typing import Any
 
 from bigbatch.planner.counting import KINDS, wire_bytes
 
-__all__ = ["human", "render", "render_suggestions"]
+__all__ = ["count", "human", "render", "render_suggestions"]
 
 
 def human(nbytes: float | None) -> str:
@@ -17,6 +17,14 @@ def human(nbytes: float | None) -> str:
         if abs(nbytes) >= size:
             return f"{nbytes / size:.2f} {unit}"
     return f"{int(nbytes)} B"
+
+
+def count(n: int) -> str:
+    """A parameter count: ``38.7 B``, ``302 M``, ``25.3 K``."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return str(n)
 
 
 def _fraction(p: Any) -> str:
@@ -33,7 +41,7 @@ def render(p: Any) -> str:
 
     d, b, worst, busy = p.degrees, p.batch, p.worst, p.busiest
     lines = [
-        f"{p.parameters / 1e9:.3g} B parameters, {p.optimizer_name}, world {p.world}",
+        f"{count(p.parameters)} parameters, {p.optimizer_name}, world {p.world}",
         f"layout    {d.describe()}  (mesh pp {d.pipeline} x dp_replicate {d.replicate} x "
         f"dp_shard {d.shard} x tp {d.tensor})",
         f"batch     global {b.global_batch_size} = micro {b.micro_batch_size} x accumulation "
