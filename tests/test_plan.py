@@ -140,12 +140,15 @@ def test_attention_is_counted_as_a_fused_kernel():
     assert act(256) == pytest.approx(4 * act(64), rel=0.02)
 
 
-def test_amp_counts_activations_at_half_size():
+def test_amp_follows_autocasts_casts():
     model = lambda: CharTransformer(96, 32, d_model=64, n_layer=2, n_head=4)  # noqa: E731
     ex = lambda b: (torch.zeros(b, 32, dtype=torch.long),) * 2  # noqa: E731
-    full = plan(model, _strategy(), 1, example=ex).ranks[0].activations
-    half = plan(model, _strategy(amp={"dtype": "bfloat16"}), 1, example=ex).ranks[0].activations
-    assert half < 0.6 * full
+    batch = {"micro_batch_size": 64}  # activations well above autocast's weight copies
+    full = plan(model, _strategy(batch=batch), 1, example=ex).ranks[0].activations
+    half = plan(model, _strategy(batch=batch, amp={"dtype": "bfloat16"}), 1,
+                example=ex).ranks[0].activations
+    # Matrix products keep bf16 inputs; the residual stream, norms and the loss stay fp32.
+    assert 0.5 * full < half < 0.9 * full
 
 
 def test_fsdp_gathers_follow_the_schedule():

@@ -159,7 +159,8 @@ class _Functional(TorchDispatchMode):
 
 def _wrapped(watch: _Watch) -> dict[str, Any]:
     """Replacements for the torch.distributed functions the engine's parts call."""
-    original = {name: getattr(dist, name) for name in (
+    # `all_gather_single` / `reduce_scatter_single` are new in torch 2.13 (FSDP2 calls them).
+    original = {name: getattr(dist, name, None) for name in (
         "all_reduce", "broadcast", "all_gather_single", "reduce_scatter_single",
         "all_gather_into_tensor", "reduce_scatter_tensor", "isend", "send")}
 
@@ -202,11 +203,12 @@ def _wrapped(watch: _Watch) -> dict[str, Any]:
         watch.add("point_to_point", group, _nbytes(tensor))
         return original["send"](tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
 
-    return {"all_reduce": all_reduce, "broadcast": broadcast,
-            "all_gather_single": all_gather_single,
-            "all_gather_into_tensor": all_gather_into_tensor,
-            "reduce_scatter_single": reduce_scatter_single,
-            "reduce_scatter_tensor": reduce_scatter_tensor, "isend": isend, "send": send}
+    wrapped = {"all_reduce": all_reduce, "broadcast": broadcast,
+               "all_gather_single": all_gather_single,
+               "all_gather_into_tensor": all_gather_into_tensor,
+               "reduce_scatter_single": reduce_scatter_single,
+               "reduce_scatter_tensor": reduce_scatter_tensor, "isend": isend, "send": send}
+    return {name: fn for name, fn in wrapped.items() if original[name] is not None}
 
 
 # Where each wrapped function is looked up at call time: `torch.distributed` for the

@@ -187,7 +187,9 @@ def _plan_rank(rank: int, model_fn: Callable[[], nn.Module], strategy: Any, deg:
                loss: Callable | None, tp_plan_of: Callable[[nn.Module], Any],
                pipeline_layers: Sequence[Any] | None, probes: dict) -> RankPlan:
     amp = strategy.amp
-    amp_itemsize = 2 if amp.enable else None
+    from bigbatch.engine.amp import amp_dtype
+
+    autocast = amp_dtype(amp.dtype) if amp.enable else None
     bf16_params = amp.enable and amp.dtype == "bfloat16"
     checkpoints = list(strategy.recompute.checkpoints) if strategy.recompute.enable else []
     micro, k = batch.micro_batch_size, batch.k_steps
@@ -208,7 +210,8 @@ def _plan_rank(rank: int, model_fn: Callable[[], nn.Module], strategy: Any, deg:
 
             context = lambda: loss_parallel_if(module)  # noqa: E731
         probes[key] = probe(module, stage_runs(module, pipeline, layers, inputs, x), names,
-                            loss=loss, targets=y, amp_itemsize=amp_itemsize,
+                            loss=loss, targets=y, amp_dtype=autocast,
+                            gathered_weights=deg.fsdp_enabled and bf16_params,
                             recomputed=checkpoints, loss_context=context)
         return probes[key]
 

@@ -7,8 +7,10 @@ of any size. What is measured, and why it is an estimate:
 - activations: the distinct storages autograd saves for backward (a
   `saved_tensors_hooks` pack), parameters and buffers left out, plus the inputs a
   recomputed module keeps. Attention is counted as a fused kernel keeps it on a GPU
-  (q, k, v, output and the log-sum-exp: no ``t x t`` matrix). Under `[amp]` floating
-  tensors count at the autocast dtype's size. Not counted: the allocator's rounding and
+  (q, k, v, output and the log-sum-exp: no ``t x t`` matrix). Under `[amp]` the forward
+  follows autocast's casts (matrix products in the low dtype, norms, softmax and losses
+  in float32), so saved tensors have the dtypes a GPU run gives them, and autocast's
+  low-dtype weight copies count. Not counted: the allocator's rounding and
   fragmentation, temporaries that die inside one operator, cuBLAS/NCCL workspaces.
 - traffic: DTensor's collectives as they are issued (`bigbatch.planner.counting`), the
   loss included; the same count a real run gives.
@@ -60,12 +62,41 @@ class Probe:
     stage; 0 for the first stage."""
 
 
-class _FusedAttention(TorchFunctionMode):
-    """`scaled_dot_product_attention` as the fused kernel GPUs run (the meta device would
-    take the math path, which keeps the whole attention matrix)."""
+# Autocast's lists (torch.amp): what runs in the low dtype, and what in float32.
+_LOW = {F.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
+        torch.Tensor.matmul, torch.Tensor.__matmul__, F.conv1d, F.conv2d, F.conv3d,
+        F.scaled_dot_product_attention}
+_FLOAT32 = {F.layer_norm, F.group_norm, F.softmax, F.log_softmax, F.cross_entropy, F.nll_loss,
+            F.mse_loss, torch.Tensor.softmax, torch.Tensor.log_softmax}
+
+
+class _GpuOps(TorchFunctionMode):
+    """The meta forward as a GPU runs it: `scaled_dot_product_attention` as the fused
+    kernel (the meta device would take the math path, which keeps the whole attention
+    matrix), and under `[amp]` autocast's casts (meta tensors have no autocast): matrix
+    products in the low dtype, norms, softmax and losses in float32. A weight's low-dtype
+    copy is autocast's cache, kept for backward; `weight_copies` collects their storages
+    (with FSDP's mixed precision they are the gathered parameters instead)."""
+
+    def __init__(self, amp_dtype: torch.dtype | None, params: set[int]) -> None:
+        super().__init__()
+        self.amp_dtype, self.params = amp_dtype, params
+        self.weight_copies: set[int] = set()
+
+    def _cast(self, value, dtype: torch.dtype):
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+            out = value.to(dtype)
+            if local(value).untyped_storage()._cdata in self.params:
+                self.weight_copies.add(local(out).untyped_storage()._cdata)
+            return out
+        return value
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.amp_dtype is not None and (func in _LOW or func in _FLOAT32):
+            dtype = self.amp_dtype if func in _LOW else torch.float32
+            args = tuple(self._cast(a, dtype) for a in args)
+            kwargs = {k: self._cast(v, dtype) for k, v in kwargs.items()}
         if func is F.scaled_dot_product_attention:
             fused = _fused(*args, **kwargs)
             if fused is not None:
@@ -94,21 +125,17 @@ class _HostReads(TorchDispatchMode):
 class _Saved:
     """Sums the bytes of distinct storages saved for backward."""
 
-    def __init__(self, skip: set[int], itemsize: int | None) -> None:
+    def __init__(self, *skip: set[int]) -> None:
         self.skip, self.seen, self.total = skip, set(), 0
-        self.itemsize = itemsize
 
     def add(self, t: torch.Tensor) -> None:
         t = local(t)
         storage = t.untyped_storage()
         key = storage._cdata
-        if key in self.skip or key in self.seen:
+        if key in self.seen or any(key in s for s in self.skip):
             return
         self.seen.add(key)
-        nbytes = storage.nbytes()
-        if self.itemsize is not None and t.is_floating_point() and t.element_size() > self.itemsize:
-            nbytes = nbytes * self.itemsize // t.element_size()
-        self.total += nbytes
+        self.total += storage.nbytes()
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         self.add(t)
@@ -120,13 +147,10 @@ def _storages(module: nn.Module) -> set[int]:
             for t in [*module.parameters(), *module.buffers()]}
 
 
-def nbytes(t: torch.Tensor, itemsize: int | None = None) -> int:
-    """Bytes of `t` (its local shard), floating tensors at `itemsize` when given (amp)."""
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes of `t` (its local shard)."""
     t = local(t)
-    size = t.element_size()
-    if itemsize is not None and t.is_floating_point():
-        size = min(size, itemsize)
-    return t.numel() * size
+    return t.numel() * t.element_size()
 
 
 @contextlib.contextmanager
@@ -149,14 +173,20 @@ def _recompute_inputs(module: nn.Module, names: Sequence[str], saved: _Saved) ->
 
 def probe(module: nn.Module, stages: Sequence[StageRun],
           names: dict[str, str], *, loss: Callable | None, targets: torch.Tensor | None,
-          amp_itemsize: int | None = None, recomputed: Sequence[str] = (),
+          amp_dtype: torch.dtype | None = None, gathered_weights: bool = False,
+          recomputed: Sequence[str] = (),
           loss_context: Callable[[], contextlib.AbstractContextManager] | None = None) -> Probe:
     """Run one micro-batch through `stages` (this rank's, in order) forward and backward; `loss(output, targets)` (a tensor, or ``(sum, count)``) on
-    the last stage, else a gradient of ones. `names`: process groups to mesh dimensions."""
+    the last stage, else a gradient of ones. `names`: process groups to mesh dimensions.
+    `amp_dtype`: autocast's; `gathered_weights`: FSDP's mixed precision gathers the
+    low-dtype weights (its buffers, not activations)."""
     out = Probe()
-    saved = _Saved(_storages(module), amp_itemsize)
+    params = _storages(module)
+    ops = _GpuOps(amp_dtype, params)
+    # With FSDP's mixed precision the low-dtype weights are its gathered parameters.
+    saved = _Saved(params, ops.weight_copies) if gathered_weights else _Saved(params)
     ctx = loss_context() if loss_context is not None else contextlib.nullcontext()
-    with counting(out.comm, names), _FusedAttention(), _HostReads(), ctx, \
+    with counting(out.comm, names), ops, _HostReads(), ctx, \
             _recompute_inputs(module, recomputed, saved), \
             torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
         for stage in stages:
@@ -164,8 +194,8 @@ def probe(module: nn.Module, stages: Sequence[StageRun],
             if not stage.first:  # what a stage receives is a leaf that wants its gradient
                 x = x.detach().requires_grad_(True)
             y = stage.run(x)
-            out.received.append(0 if stage.first else nbytes(x, amp_itemsize))
-            out.sent.append(0 if stage.last else nbytes(y, amp_itemsize))
+            out.received.append(0 if stage.first else nbytes(x))
+            out.sent.append(0 if stage.last else nbytes(y))
             if stage.last and loss is not None and targets is not None:
                 value = loss(y, targets)
                 value = value[0] if isinstance(value, tuple) else value

@@ -16,8 +16,8 @@ GIB = 2**30
 ACTIVATION_METHOD = (
     "measured on the meta device: the storages autograd saves for backward in one "
     "micro-batch's forward (parameters excluded; attention counted as a fused kernel keeps "
-    "it; amp tensors at the autocast dtype's size), times the micro-batches in flight; an "
-    "estimate: no allocator rounding, per-operator temporaries or library workspaces")
+    "it; under amp, autocast's casts and weight copies), times the micro-batches in flight; "
+    "an estimate: no allocator rounding, per-operator temporaries or library workspaces")
 
 
 def bubble(stages: int, micro: int, virtual: int = 1) -> float:
