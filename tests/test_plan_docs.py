@@ -58,6 +58,17 @@ def test_recorded_pipeline_bubble_and_refusals():
     assert "not divisible by" in EXAMPLES["38b-1000-tp8-batch1024"]["refused"]
 
 
+def test_recorded_gpu_check_activations_match():
+    gpu = json.loads((ROOT / "docs" / "plan" / "gpu_check_h200.json").read_text())
+    for run in gpu.values():
+        assert run["activations_planned"] == pytest.approx(run["activations_measured"],
+                                                           rel=0.01)
+    fp32, bf16 = gpu["fp32"], gpu["bf16"]
+    held = bf16["state_before_forward"] - fp32["state_before_forward"]  # fp32's leftovers
+    for run, extra in ((fp32, 0), (bf16, held)):
+        assert 1.0 < run["peak_planned"] / (run["peak_measured"] - extra) < 1.1
+
+
 @pytest.mark.slow
 def test_38b_plan_live(tmp_path):
     args = EXAMPLES["38b-tp8-zero3"]["args"]
