@@ -10,8 +10,11 @@ the pipeline bubble and the batch arithmetic (`bigbatch plan` on the command lin
 
 Layers: `counting` (bytes by collective and mesh dimension, shared with the tests' real
 runs), `fake` (the fake world), `layout` (prepare's steps on meta), `probe` (one
-micro-batch on meta), `traffic` (data-parallel and pipeline arithmetic), `plan`,
-`result` and `report` (what a plan says), `suggest` (layouts that fit).
+micro-batch on meta), `traffic` (data-parallel and pipeline arithmetic), `planning`
+(`plan`, and `plan_task` for a built-in task), `result` and `report` (what a plan says),
+`suggest` (layouts that fit). The package is not called `bigbatch.plan`: that name is
+the function, as `bigbatch.prepare` is. It comes after `engine` and `tasks` (it lays
+models out with their steps) and before `cli`.
 """
 
 from bigbatch.planner.planning import plan
