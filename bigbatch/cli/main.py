@@ -1,4 +1,4 @@
-"""Command-line entry point: `bigbatch train | study | gns ...`.
+"""Command-line entry point: `bigbatch train | study | gns | plan ...`.
 
 User mistakes (bad flags, a missing config file, an unknown task, a resume
 directory without a checkpoint, settings a resume may not change, an output
@@ -27,6 +27,7 @@ from bigbatch.cli.argtypes import OneLineParser
 from bigbatch.cli.gns import GNS_DESCRIPTION, GNS_HELP
 from bigbatch.cli.lr_find import LR_FIND_DESCRIPTION, LR_FIND_HELP
 from bigbatch.cli.monitor import MONITOR_DESCRIPTION, MONITOR_HELP, add_monitor_arguments
+from bigbatch.cli.plan import PLAN_DESCRIPTION, PLAN_HELP
 from bigbatch.cli.study import STUDY_DESCRIPTION, STUDY_HELP
 from bigbatch.cli.train import (
     EXIT_USAGE,
@@ -78,6 +79,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         add_lr_find_arguments(lr_find)
     add_monitor_arguments(sub.add_parser("monitor", help=MONITOR_HELP,
                                          description=MONITOR_DESCRIPTION))
+    plan = sub.add_parser("plan", help=PLAN_HELP, description=PLAN_DESCRIPTION)
+    if command == "plan":
+        from bigbatch.cli.plan import add_plan_arguments
+
+        add_plan_arguments(plan)
     if command == "study":
         from bigbatch.cli.study import add_study_arguments
 
@@ -127,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
             from bigbatch.cli.lr_find import run_lr_find_command
 
             return run_lr_find_command(args)
+        if args.command == "plan":
+            from bigbatch.cli.plan import run_plan_command
+
+            return run_plan_command(args)
         config, strategy = resolve(args)
         started = time.time()
         status = run_train_command(args, argv, config, strategy)
