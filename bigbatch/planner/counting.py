@@ -30,6 +30,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["KINDS", "CommCount", "counting", "dims_of", "wire_bytes"]
 
+GIB = 2**30
+
+ACTIVATION_METHOD = (
+    "measured on the meta device: the storages autograd saves for backward in one "
+    "micro-batch's forward (parameters excluded; attention counted as a fused kernel keeps "
+    "it; under amp, autocast's casts and weight copies), times the micro-batches in flight; "
+    "an estimate: no allocator rounding, per-operator temporaries or library workspaces")
+
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all",
          "point_to_point")
 """Collective kinds, in the order reports list them."""

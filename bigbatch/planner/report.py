@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bigbatch.planner.counting import KINDS, wire_bytes
+from bigbatch.planner.counting import ACTIVATION_METHOD, GIB, KINDS, wire_bytes
 
 __all__ = ["count", "human", "render", "render_suggestions"]
 
@@ -37,8 +37,6 @@ def _fraction(p: Any) -> str:
 
 def render(p: Any) -> str:
     """The text `bigbatch plan` prints (see `LayoutPlan.summary`)."""
-    from bigbatch.planner.result import ACTIVATION_METHOD, GIB
-
     d, b, worst, busy = p.degrees, p.batch, p.worst, p.busiest
     lines = [
         f"{count(p.parameters)} parameters, {p.optimizer_name}, world {p.world}",

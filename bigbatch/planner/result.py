@@ -7,18 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bigbatch.config.parallelism import Degrees
-from bigbatch.planner.counting import CommCount, wire_bytes
+from bigbatch.planner.counting import ACTIVATION_METHOD, GIB, CommCount, wire_bytes
 
 __all__ = ["GIB", "LayoutPlan", "RankPlan", "bubble"]
-
-GIB = 2**30
-
-ACTIVATION_METHOD = (
-    "measured on the meta device: the storages autograd saves for backward in one "
-    "micro-batch's forward (parameters excluded; attention counted as a fused kernel keeps "
-    "it; under amp, autocast's casts and weight copies), times the micro-batches in flight; "
-    "an estimate: no allocator rounding, per-operator temporaries or library workspaces")
-
 
 def bubble(stages: int, micro: int, virtual: int = 1) -> float:
     """The pipeline's idle fraction ``(p-1) / (v m + p - 1)`` (v = 1: ``(p-1)/(m+p-1)``)."""
