@@ -177,15 +177,20 @@ class Server:
                 keep.append((min_version, fut, with_state))
         self._waiting = keep
 
-    def finish(self) -> None:
+    def finish(self, at: int | None = None) -> bool:
         """No more steps: later pushes, and those waiting for a sync step that will not
-        come (a worker is gone), get `stop` and are not applied."""
+        come (a worker is gone), get `stop` and are not applied. With `at`, only when no
+        update was applied after version `at` (an async server stops on a step's
+        boundary); returns whether it finished."""
         with self.lock:
+            if at is not None and self.version != at:
+                return False
             self.stop = True
             for _, fut in self._pending.values():
                 fut.set_result(self._reply(applied=False))
             self._pending.clear()
             self._wake()
+        return True
 
 
 def mean_gradient(pushes: Sequence[Push]) -> list[torch.Tensor]:

@@ -24,6 +24,7 @@ from bigbatch.train.checkpoint import (
     checkpoint_path,
     failure_reason,
     kept_line,
+    manifest_path,
     save_checkpoint,
     save_failure,
     set_rng_state,
@@ -94,8 +95,12 @@ class Checkpointer:
                     **counters(),
                 }, keep=self.keep, files=self.files, shards=shards)
             except CheckpointSaveError as e:
-                if self.sharded and not path.exists():  # no payload: its shards go too
+                if self.sharded and not manifest_path(path).exists():
+                    # Never committed: the step goes whole (an earlier payload of this
+                    # step does not belong with the new shards).
+                    path.unlink(missing_ok=True)
                     remove_sharded(path, self.files)
+                    self.files.discard(path)
                 error = e
         else:
             self.last = path

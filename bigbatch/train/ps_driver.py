@@ -35,6 +35,8 @@ __all__ = ["Driver"]
 
 _POLL_S = 0.2
 """How often server 0, waiting for gradients, looks for a stop signal."""
+_STOP_TRIES = 16
+"""Step boundaries an async server tries to stop exactly at before it stops anyway."""
 
 
 class Driver:
@@ -66,6 +68,7 @@ class Driver:
         self.saved: int | None = saved.get("step")
         """The step the last checkpoint holds (the resumed one's, before the first save)."""
         self.saved_path: Path | None = job.resume_from
+        self._stop_tries = 0
         server.is_done = lambda: run.done
         out = Path(cfg.out)
         job.files.begin(overwrite=cfg.overwrite and not cfg.resume)
@@ -119,8 +122,12 @@ class Driver:
             version, pushes, release = event
             self._take(version, pushes)
             if self._own_signal() is not None and not run.done and version % self.per == 0:
-                self._log(version)
-                return self._stop(release)
+                # Async: stop here unless a later push is applied already (then at the next
+                # boundary; after a few tries, wherever the updates are).
+                self._stop_tries += 1
+                if server.finish(at=version) or self._stop_tries > _STOP_TRIES:
+                    self._log(version)
+                    return self._stop(release)
             with server.lock:  # no step is applied once done, so no event can follow
                 last = run.done and server.events.empty()
             if version % self.log_every == 0 or last:
