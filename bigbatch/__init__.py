@@ -7,8 +7,8 @@ own training loop.
 
 The subpackages are the layers, each importing only from those before it:
 ``optim`` and ``adaptive`` (pure algorithms) -> ``config`` -> ``parallel`` ->
-``engine`` -> ``train``, ``tasks``, ``study`` -> ``cli``. ``bigbatch.plan`` lays a
-strategy out for N ranks on the meta device (``bigbatch plan`` on the command line).
+``engine`` -> ``train``, ``tasks``, ``study``, ``planner`` -> ``cli``. ``bigbatch.plan``
+lays a strategy out for N ranks on the meta device (``bigbatch plan`` on the command line).
 
 Names load on first use, so ``import bigbatch.optim`` (or ``from bigbatch import LAMB``)
 needs torch alone, not the config, training or plotting dependencies.
@@ -37,7 +37,7 @@ _WHERE = {
     "scaling": "bigbatch.config.scaling", "schedules": "bigbatch.config.schedules",
     "kfac": "bigbatch.optim.kfac",
     "lr_find": "bigbatch.study.lr_find:lr_find",
-    "plan": "bigbatch.engine.planner.planning:plan", "LayoutPlan": "bigbatch.engine.planner.result",
+    "plan": "bigbatch.planner.planning:plan", "LayoutPlan": "bigbatch.planner.result",
 }
 
 __all__ = [
@@ -53,8 +53,8 @@ __all__ = [
 ]
 
 
-_SUBPACKAGES = ("adaptive", "cli", "config", "engine", "errors", "optim", "parallel", "study",
-                "tasks", "train")
+_SUBPACKAGES = ("adaptive", "cli", "config", "engine", "errors", "optim", "parallel", "planner",
+                "study", "tasks", "train")
 
 
 def __getattr__(name: str) -> Any:

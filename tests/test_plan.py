@@ -18,10 +18,10 @@ from torch import nn
 
 import bigbatch
 from bigbatch.config.strategy import Strategy
-from bigbatch.engine.planner import plan
-from bigbatch.engine.planner.counting import CommCount, counting, wire_bytes
-from bigbatch.engine.planner.traffic import fsdp_gathers, schedule_order
 from bigbatch.errors import ConfigError
+from bigbatch.planner import plan
+from bigbatch.planner.counting import CommCount, counting, wire_bytes
+from bigbatch.planner.traffic import fsdp_gathers, schedule_order
 from bigbatch.tasks.charlm import TENSOR_PARALLEL_PLAN, CharTransformer
 from tests._cli import run_cli
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from bigbatch.config.strategy import Strategy
-from bigbatch.engine.planner import plan
 from bigbatch.optim._norms import local
+from bigbatch.planner import plan
 from bigbatch.tasks.charlm import TENSOR_PARALLEL_PLAN, CharTransformer
 from tests._dist import run_workers
 
@@ -72,8 +72,8 @@ def _measure(layouts: list[tuple[str, int]]) -> dict:
 
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    from bigbatch.engine.planner.counting import CommCount, counting, dims_of
     from bigbatch.engine.prepare import prepare
+    from bigbatch.planner.counting import CommCount, counting, dims_of
 
     world = int(os.environ["WORLD_SIZE"])
     out, known = {}, {}

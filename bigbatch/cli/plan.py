@@ -3,7 +3,7 @@
 The model is built on the meta device (no weights), the strategy's layout is applied by
 the engine's own steps on torch's fake process group of N ranks, and the plan reports per
 rank memory, traffic per step, the pipeline bubble and the batch arithmetic (see
-`bigbatch.engine.planner`). A layout `bigbatch train` would refuse is refused the same way: one
+`bigbatch.planner`). A layout `bigbatch train` would refuse is refused the same way: one
 line, exit 2. Nothing is written.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from bigbatch.cli.argtypes import add_task_arguments, positive_float, positive_int, task_options
 
-__all__ = ["PLAN_DESCRIPTION", "PLAN_HELP", "add_plan_arguments", "plan_strategy", "plan_task",
+__all__ = ["PLAN_DESCRIPTION", "PLAN_HELP", "add_plan_arguments", "plan_strategy",
            "run_plan_command"]
 
 PLAN_HELP = "lay a run out for N GPUs: memory per rank, traffic per step, pipeline bubble"
@@ -60,40 +60,13 @@ def plan_strategy(args: argparse.Namespace, demo: str):
     return strategy
 
 
-def plan_task(task, strategy, world: int, *, model: str | None = None,
-              gpu_memory: float | None = None, probes: dict | None = None,
-              ends_only: bool = False):
-    """`bigbatch.plan` for a built-in task's model (`bigbatch.tasks`): its tensor-parallel
-    plan and checks, its loss, micro-batches shaped like its training data (see
-    `bigbatch.engine.planner.planning.plan_layout` for `probes` and `ends_only`)."""
-    import torch
-
-    from bigbatch.engine.planner.planning import plan_layout
-    from bigbatch.tasks import Task
-
-    name = task.check_model(model)
-    data = task.train_set.tensors
-
-    def example(micro: int):
-        return tuple(torch.empty((micro, *t.shape[1:]), dtype=t.dtype, device="meta")
-                     for t in data[:2])
-
-    def loss(output, targets):
-        return task.loss(output, (None, targets))
-
-    return plan_layout(lambda: task.build_model(name), strategy, world, example=example,
-                       loss=loss, tp_plan_of=task.tp_plan,
-                       tp_given=type(task).tp_plan is not Task.tp_plan, pipeline_layers=None,
-                       gpu_memory=gpu_memory, check_tensor=task.check_tensor_parallel,
-                       probes=probes, ends_only=ends_only)
-
-
 def run_plan_command(args: argparse.Namespace) -> int:
     """`bigbatch plan`; returns the exit code, raises ConfigError on user mistakes."""
     import os
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from bigbatch.engine.planner.report import render_suggestions
+    from bigbatch.planner.planning import plan_task
+    from bigbatch.planner.report import render_suggestions
     from bigbatch.tasks import get_task
 
     task = get_task(args.task, **task_options(args.task_options))
@@ -102,7 +75,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
     planned = plan_task(task, strategy, args.world, model=model, gpu_memory=args.gpu_memory)
     rows, tried = [], 0
     if args.suggest:
-        from bigbatch.engine.planner.suggest import suggest
+        from bigbatch.planner.suggest import suggest
 
         rows, tried = suggest(strategy, args.world, lambda s, probes: plan_task(
             task, s, args.world, model=model, gpu_memory=args.gpu_memory, probes=probes,

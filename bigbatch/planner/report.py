@@ -4,17 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from bigbatch.engine.planner.counting import KINDS, wire_bytes
+from bigbatch.planner.counting import KINDS, wire_bytes
 
-__all__ = ["ACTIVATION_METHOD", "GIB", "count", "human", "render", "render_suggestions"]
-
-GIB = 2**30
-
-ACTIVATION_METHOD = (
-    "measured on the meta device: the storages autograd saves for backward in one "
-    "micro-batch's forward (parameters excluded; attention counted as a fused kernel keeps "
-    "it; under amp, autocast's casts and weight copies), times the micro-batches in flight; "
-    "an estimate: no allocator rounding, per-operator temporaries or library workspaces")
+__all__ = ["count", "human", "render", "render_suggestions"]
 
 
 def human(nbytes: float | None) -> str:
@@ -45,6 +37,8 @@ def _fraction(p: Any) -> str:
 
 def render(p: Any) -> str:
     """The text `bigbatch plan` prints (see `LayoutPlan.summary`)."""
+    from bigbatch.planner.result import ACTIVATION_METHOD, GIB
+
     d, b, worst, busy = p.degrees, p.batch, p.worst, p.busiest
     lines = [
         f"{count(p.parameters)} parameters, {p.optimizer_name}, world {p.world}",

@@ -2,9 +2,9 @@
 
 For each pipeline stage it builds the model on the meta device, becomes that stage's
 first rank on torch's fake process group, and applies the strategy's layout through the
-engine's own steps (`bigbatch.engine.planner.layout`); then measures what that rank holds, runs
+engine's own steps (`bigbatch.planner.layout`); then measures what that rank holds, runs
 one micro-batch and one optimizer step on meta to count what they send, and adds the
-data-parallel and pipeline traffic by arithmetic (`bigbatch.engine.planner.traffic`).
+data-parallel and pipeline traffic by arithmetic (`bigbatch.planner.traffic`).
 """
 
 from __future__ import annotations
@@ -20,12 +20,15 @@ from torch import nn
 
 from bigbatch.config.compat import Context, check
 from bigbatch.config.parallelism import check_pipeline_plan, degrees
-from bigbatch.engine.planner.counting import CommCount, counting
-from bigbatch.engine.planner.fake import fake_world
-from bigbatch.engine.planner.layout import RankLayout, lay_out, stage_runs
-from bigbatch.engine.planner.probe import probe
-from bigbatch.engine.planner.result import LayoutPlan, RankPlan
-from bigbatch.engine.planner.traffic import (
+from bigbatch.errors import ConfigError
+from bigbatch.optim._norms import local
+from bigbatch.parallel.data_parallel import check_reduce
+from bigbatch.planner.counting import CommCount, counting
+from bigbatch.planner.fake import fake_world
+from bigbatch.planner.layout import RankLayout, lay_out, stage_runs
+from bigbatch.planner.probe import probe
+from bigbatch.planner.result import LayoutPlan, RankPlan
+from bigbatch.planner.traffic import (
     ddp_traffic,
     fsdp_gathers,
     fsdp_traffic,
@@ -33,11 +36,8 @@ from bigbatch.engine.planner.traffic import (
     pipeline_traffic,
     schedule_order,
 )
-from bigbatch.errors import ConfigError
-from bigbatch.optim._norms import local
-from bigbatch.parallel.data_parallel import check_reduce
 
-__all__ = ["plan", "plan_layout"]
+__all__ = ["plan", "plan_task"]
 
 Example = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 """``example(micro_batch_size) -> (inputs, targets)``: one micro-batch (any device; only
@@ -61,7 +61,7 @@ def plan(model_fn: Callable[[], nn.Module], strategy: Any, world: int, *,
     A layout `prepare()` would refuse raises its ConfigError (degrees that do not divide
     `world`, fewer micro-batches than stages, a tensor plan that does not divide a layer).
     """
-    return plan_layout(model_fn, strategy, world, example=example, loss=loss,
+    return _plan(model_fn, strategy, world, example=example, loss=loss,
                  tp_plan_of=lambda model: tp_plan, tp_given=tp_plan is not None,
                  pipeline_layers=pipeline_layers, gpu_memory=gpu_memory)
 
@@ -75,16 +75,13 @@ def _refuse_unplanned(strategy: Any) -> None:
                           "(its stashed weight versions); plan 1F1B for the layout")
 
 
-def plan_layout(model_fn: Callable[[], nn.Module], strategy: Any, world: int, *,
+def _plan(model_fn: Callable[[], nn.Module], strategy: Any, world: int, *,
           example: Example | None, loss: Callable | None,
           tp_plan_of: Callable[[nn.Module], Any], tp_given: bool,
           pipeline_layers: Sequence[Any] | None, gpu_memory: float | None,
           check_tensor: Callable[[int], None] | None = None,
           probes: dict | None = None, ends_only: bool = False) -> LayoutPlan:
-    """`plan` with what a built-in task adds (`bigbatch plan`): `tp_plan_of(model)` gives the
-    tensor-parallel plan of each model built, `tp_given` whether there is one, and
-    `check_tensor(degree)` the model's own check of the tensor degree. `probes` keeps
-    micro-batch probes between plans that differ only in
+    """`plan`'s body; `probes` keeps micro-batch probes between plans that differ only in
     how they shard the state (the ZeRO stage does not change activations or TP traffic);
     `ends_only` simulates a pipeline's first and last stage only (a quick look: the first
     holds the most micro-batches, the last the head and the loss)."""
@@ -286,3 +283,25 @@ def _plan_rank(rank: int, model_fn: Callable[[], nn.Module], strategy: Any, deg:
                                  "uncompressed (an upper bound)")
     return out
 
+
+def plan_task(task: Any, strategy: Any, world: int, *, model: str | None = None,
+              gpu_memory: float | None = None, probes: dict | None = None,
+              ends_only: bool = False) -> LayoutPlan:
+    """`plan` for a built-in task's model (`bigbatch.tasks`): its tensor-parallel plan and
+    checks, its loss, micro-batches shaped like its training data. `probes`: as `_plan`."""
+    from bigbatch.tasks import Task
+
+    name = task.check_model(model)
+    data = task.train_set.tensors
+
+    def example(micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(torch.empty((micro, *t.shape[1:]), dtype=t.dtype, device="meta")
+                     for t in data[:2])
+
+    def loss(output: torch.Tensor, targets: torch.Tensor) -> Any:
+        return task.loss(output, (None, targets))
+
+    return _plan(lambda: task.build_model(name), strategy, world, example=example, loss=loss,
+                 tp_plan_of=task.tp_plan, tp_given=type(task).tp_plan is not Task.tp_plan,
+                 pipeline_layers=None, gpu_memory=gpu_memory,
+                 check_tensor=task.check_tensor_parallel, probes=probes, ends_only=ends_only)

@@ -7,10 +7,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bigbatch.config.parallelism import Degrees
-from bigbatch.engine.planner.counting import CommCount, wire_bytes
-from bigbatch.engine.planner.report import ACTIVATION_METHOD, GIB, render
+from bigbatch.planner.counting import CommCount, wire_bytes
 
-__all__ = ["LayoutPlan", "RankPlan", "bubble"]
+__all__ = ["GIB", "LayoutPlan", "RankPlan", "bubble"]
+
+GIB = 2**30
+
+ACTIVATION_METHOD = (
+    "measured on the meta device: the storages autograd saves for backward in one "
+    "micro-batch's forward (parameters excluded; attention counted as a fused kernel keeps "
+    "it; under amp, autocast's casts and weight copies), times the micro-batches in flight; "
+    "an estimate: no allocator rounding, per-operator temporaries or library workspaces")
 
 
 def bubble(stages: int, micro: int, virtual: int = 1) -> float:
@@ -65,7 +72,7 @@ class RankPlan:
 
 @dataclass
 class LayoutPlan:
-    """A run laid out for `world` ranks (see `bigbatch.engine.planner.plan`)."""
+    """A run laid out for `world` ranks (see `bigbatch.planner.plan`)."""
 
     world: int
     degrees: Degrees
@@ -141,4 +148,6 @@ class LayoutPlan:
 
     def summary(self) -> str:
         """The plan as text for a terminal (80 columns)."""
+        from bigbatch.planner.report import render
+
         return render(self)

@@ -3,13 +3,13 @@
 Candidates keep the strategy's global batch and micro-batch and vary the tensor degree
 (powers of two up to 8: one node's NVLink domain), the pipeline degree (powers of two up
 to 8, with the accumulation as its micro-batches) and the ZeRO stage (none, 1, 2, 3).
-Each is planned like any other (`bigbatch.engine.planner.planning`), a pipeline's first and
+Each is planned like any other (`bigbatch.planner.planning`), a pipeline's first and
 last stage only; a candidate the engine refuses is skipped. To keep this to minutes for
 a model of tens of billions of parameters: plans that differ only in their ZeRO stage
 share one micro-batch probe, and ZeRO-3 (the least memory) is planned first: when it
 does not fit, the other stages of that tensor and pipeline degree are not tried. "Least
 traffic" is the bytes the busiest rank sends per step under ring algorithms
-(`bigbatch.engine.planner.counting.wire_bytes`).
+(`bigbatch.planner.counting.wire_bytes`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from bigbatch.config.parallelism import degrees
-from bigbatch.engine.planner.counting import wire_bytes
 from bigbatch.errors import ConfigError
+from bigbatch.planner.counting import wire_bytes
 
 __all__ = ["candidates", "suggest"]
 

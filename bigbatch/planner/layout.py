@@ -5,7 +5,7 @@ in its order: recompute, the device mesh, the pipeline split, the tensor-paralle
 `prepare()` refuses is refused here with the same message.
 
 Between slicing and sharding, `probe` runs one micro-batch through the rank's stages
-(`bigbatch.engine.planner.probe`): activations do not depend on how FSDP stores the weights,
+(`bigbatch.planner.probe`): activations do not depend on how FSDP stores the weights,
 and FSDP's gathers could not run on weights that do not exist.
 """
 
@@ -21,12 +21,12 @@ from torch import nn
 
 from bigbatch.config.parallelism import Degrees
 from bigbatch.engine.optimizer import build_optimizer
-from bigbatch.engine.planner.counting import dims_of
-from bigbatch.engine.planner.probe import Probe, StageRun
-from bigbatch.engine.planner.traffic import unit_params
 from bigbatch.engine.recompute import apply_recompute
 from bigbatch.parallel.mesh import ParallelMesh
 from bigbatch.parallel.world import World
+from bigbatch.planner.counting import dims_of
+from bigbatch.planner.probe import Probe, StageRun
+from bigbatch.planner.traffic import unit_params
 
 __all__ = ["RankLayout", "chain_inputs", "lay_out"]
 
@@ -41,7 +41,7 @@ class RankLayout:
     pipeline: Any
     """The `PipelineRunner` (None without `[pipeline]`)."""
     names: dict[str, str]
-    """Process group names -> mesh dimensions (`bigbatch.engine.planner.counting.dims_of`)."""
+    """Process group names -> mesh dimensions (`bigbatch.planner.counting.dims_of`)."""
     fsdp_groups: list[list[nn.Parameter]] = field(default_factory=list)
     """Parameters of each FSDP unit (empty without FSDP)."""
     optimizer: Any = None

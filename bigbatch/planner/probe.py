@@ -12,7 +12,7 @@ of any size. What is measured, and why it is an estimate:
   in float32), so saved tensors have the dtypes a GPU run gives them, and autocast's
   low-dtype weight copies count. Not counted: the allocator's rounding and
   fragmentation, temporaries that die inside one operator, cuBLAS/NCCL workspaces.
-- traffic: DTensor's collectives as they are issued (`bigbatch.engine.planner.counting`), the
+- traffic: DTensor's collectives as they are issued (`bigbatch.planner.counting`), the
   loss included; the same count a real run gives.
 """
 
@@ -28,8 +28,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bigbatch.engine.planner.counting import CommCount, counting
 from bigbatch.optim._norms import local
+from bigbatch.planner.counting import CommCount, counting
 
 __all__ = ["Probe", "StageRun", "nbytes", "probe"]
 

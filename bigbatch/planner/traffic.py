@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from bigbatch.engine.planner.counting import CommCount
 from bigbatch.optim._norms import local
+from bigbatch.planner.counting import CommCount
 
 __all__ = ["ddp_traffic", "fsdp_gathers", "fsdp_traffic", "item_count_traffic",
            "pipeline_traffic", "schedule_order", "unit_params"]

@@ -11,13 +11,13 @@ the pipeline bubble and the batch arithmetic (`bigbatch plan` on the command lin
 Layers: `counting` (bytes by collective and mesh dimension, shared with the tests' real
 runs), `fake` (the fake world), `layout` (prepare's steps on meta), `probe` (one
 micro-batch on meta), `traffic` (data-parallel and pipeline arithmetic), `planning`
-(`plan`, and `plan_layout` with a task's hooks), `result` and `report` (what a plan says),
-`suggest` (layouts that fit). It lives in the engine because it is `prepare()`'s
-layout on a fake world, by the same functions; `bigbatch plan` (the CLI) adds the
-built-in tasks (`bigbatch.cli.plan`).
+(`plan`, and `plan_task` for a built-in task), `result` and `report` (what a plan says),
+`suggest` (layouts that fit). The package is not called `bigbatch.plan`: that name is
+the function, as `bigbatch.prepare` is. It comes after `engine` and `tasks` (it lays
+models out with their steps) and before `cli`.
 """
 
-from bigbatch.engine.planner.planning import plan
-from bigbatch.engine.planner.result import LayoutPlan, RankPlan
+from bigbatch.planner.planning import plan
+from bigbatch.planner.result import LayoutPlan, RankPlan
 
 __all__ = ["LayoutPlan", "RankPlan", "plan"]
