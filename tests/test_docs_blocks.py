@@ -19,7 +19,6 @@ left out: their one block is the command that wrote them, as the study printed i
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import subprocess
