@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 from test_optim_kernels import (
-    LRS,
     LAYOUT_CONFIGS,
     LAYOUTS,
+    LRS,
     OPTION_CONFIGS,
     assert_mixed_match_reference,
     assert_round_trip_continues,
