@@ -86,14 +86,16 @@ def _size(n: int) -> str:
 
 
 def save_failure(reason: str, directory: Path) -> str:
-    """`reason` for a failed write in `directory`, with the space left there: torch says
-    only "file write failed" for a full disk, so a nearly full one is named as such."""
+    """`reason` for a failed write in `directory`, with the space left there: torch's zip
+    writer says only "file write failed" or "unexpected pos ..." (inline_container.cc)
+    for a full disk, so a nearly full one is named as such."""
     try:
         st = os.statvfs(directory)
     except OSError:
         return reason
     free = st.f_bavail * st.f_frsize
-    if free < (1 << 20) and "No space left" not in reason and "write failed" in reason:
+    torch_says = "write failed" in reason or "inline_container" in reason
+    if free < (1 << 20) and "No space left" not in reason and torch_says:
         reason = os.strerror(errno.ENOSPC)
     return f"{reason}; {_size(free)} free in {directory}"
 
