@@ -2,6 +2,10 @@
 ``bigbatch.prepare`` with AdamW and with LAMB, and host syncs per step.
 
     python benchmarks/engine_gpu.py [--steps 10] [--rounds 3] [--micro 16] [--k 4]
+                                    [--amp float16]
+
+``--amp float16``: fp16 autocast with dynamic loss scaling instead (the plain loop
+with torch's ``GradScaler``, bigbatch with ``[amp] dtype = "float16"``).
 
 Model: examples/gpt's GPT at GPT-2 small's shape (12 layers, 12 heads, 768 wide,
 vocabulary 50304, 512 positions, 124 M parameters, tied embedding), bf16
@@ -58,7 +62,7 @@ weight_decay = {weight_decay}
 max_grad_norm = 1.0
 
 [amp]
-dtype = "bfloat16"
+dtype = "{amp}"
 
 [gradient_merge]
 avg = true
@@ -75,7 +79,7 @@ class Plain:
 
     name = "plain torch loop (fused AdamW)"
 
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int, amp: str) -> None:
         self.net = model()
         decay = [p for p in self.net.parameters() if p.ndim >= 2]
         rest = [p for p in self.net.parameters() if p.ndim < 2]
@@ -83,24 +87,32 @@ class Plain:
                                       {"params": rest, "weight_decay": 0.0}],
                                      lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
         self.k = k
+        self.dtype = getattr(torch, amp)
+        self.scaler = torch.amp.GradScaler("cuda") if amp == "float16" else None
 
     def step(self, batch) -> None:
         for x, y in batch:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast("cuda", dtype=self.dtype):
                 logits = self.net(x)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / self.k
-            loss.backward()
+            (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+        if self.scaler is not None:
+            self.scaler.unscale_(self.opt)
         torch.nn.utils.clip_grad_norm_(self.net.parameters(), 1.0)
-        self.opt.step()
+        if self.scaler is None:
+            self.opt.step()
+        else:
+            self.scaler.step(self.opt)
+            self.scaler.update()
         self.opt.zero_grad(set_to_none=True)
 
 
 class Prepared:
     """The same recipe through ``bigbatch.prepare``: AdamW, or LAMB with ``lamb``."""
 
-    def __init__(self, micro: int, k: int, lamb: bool, total_steps: int) -> None:
+    def __init__(self, micro: int, k: int, lamb: bool, total_steps: int, amp: str) -> None:
         text = STRATEGY.format(batch=micro * k, micro=micro, lr=2e-3 if lamb else 6e-4,
-                               weight_decay=0.0 if lamb else 0.1)
+                               weight_decay=0.0 if lamb else 0.1, amp=amp)
         if lamb:
             text += "\n[lamb]\nlamb_weight_decay = 0.1\n"
         self.name = f"bigbatch.prepare + {'LAMB' if lamb else 'AdamW'}"
@@ -156,13 +168,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--micro", type=int, default=16, help="sequences per micro-batch")
     ap.add_argument("--k", type=int, default=4, help="micro-batches per step")
+    ap.add_argument("--amp", choices=("bfloat16", "float16"), default="bfloat16")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = True
     total = (args.steps * args.rounds + 4) * 2
-    loops = [Plain(args.k), Prepared(args.micro, args.k, False, total),
-             Prepared(args.micro, args.k, True, total)]
+    loops = [Plain(args.k, args.amp), Prepared(args.micro, args.k, False, total, args.amp),
+             Prepared(args.micro, args.k, True, total, args.amp)]
     data = batches(args.micro, args.k, args.steps)
     for loop in loops:  # warm up: autotuning, Triton compilation, allocator
         timed(loop, data[:2])
@@ -172,7 +185,7 @@ def main() -> None:
             times[loop.name].append(timed(loop, data))
     syncs = {loop.name: host_syncs(loop, data[0]) for loop in loops}
     print(f"{torch.cuda.get_device_name()}, torch {torch.version.__version__}; GPT-2 small "
-          f"shape, bf16, {args.k} x {args.micro} x {SHAPE.block_size} tokens per step; "
+          f"shape, {args.amp}, {args.k} x {args.micro} x {SHAPE.block_size} tokens per step; "
           f"median of {args.rounds} rounds of {args.steps} steps")
     med = {name: statistics.median(ts) for name, ts in times.items()}
     base, adamw, lamb = (med[loop.name] for loop in loops)

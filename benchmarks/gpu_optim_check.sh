@@ -21,10 +21,12 @@ timeout "${BERT_S:-55}" $py benchmarks/optim_step.py --device cuda --model bert-
     --rounds 15 ${sweep[@]+"${sweep[@]}"} >"$OUT/optim_bert_large.txt" 2>&1
 timeout "${ENGINE_S:-45}" $py benchmarks/engine_gpu.py --steps 5 --rounds 3 \
     >"$OUT/engine_gpu.txt" 2>&1
+timeout "${ENGINE_S:-45}" $py benchmarks/engine_gpu.py --steps 5 --rounds 3 --amp float16 \
+    >"$OUT/engine_gpu_fp16.txt" 2>&1
 cat "$OUT/env.txt"
 echo "== cuda tests: $(tail -n 1 "$OUT/cuda_tests.txt")"
 grep -E "^(FAILED|ERROR)|Error:" "$OUT/cuda_tests.txt" | head -n 12
-for f in optim_resnet50 optim_bert_large engine_gpu; do
+for f in optim_resnet50 optim_bert_large engine_gpu engine_gpu_fp16; do
     echo "== $f"
     grep -vE "^\s*$|Warning|warn" "$OUT/$f.txt" | tail -n 40
 done

@@ -25,3 +25,9 @@ class PolicyStop(Exception):  # noqa: N818 - a requested end, not an error
 class PipelineError(RuntimeError):
     """A pipeline stage failed: every rank of the pipeline raises it, naming the stage and
     the layer where the error happened and the original error (`__cause__` on that rank)."""
+
+
+class SaveStateError(OSError):
+    """`run.save_state` failed on some rank (a full disk, a lost directory): every rank
+    raises it, naming the rank and the reason; the previous state is kept and the partial
+    one removed."""

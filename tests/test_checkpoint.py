@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from bigbatch.engine.saving import rng_state, set_rng_state
 from bigbatch.errors import ConfigError
 from bigbatch.tasks.sampler import GlobalBatchSampler
 from bigbatch.train.checkpoint import (
@@ -14,9 +15,7 @@ from bigbatch.train.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
-    rng_state,
     save_checkpoint,
-    set_rng_state,
 )
 
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from bigbatch.config.strategy import Strategy
 from bigbatch.engine.prepare import prepare
+from bigbatch.engine.step import takes_overflow_flag
 from bigbatch.errors import ConfigError
 from bigbatch.optim import param_groups
 from bigbatch.parallel.world import World
@@ -273,11 +274,17 @@ def test_amp_runs_on_cpu(dtype):
     assert all(torch.isfinite(p).all() for p in run.module.parameters())
 
 
-def fp16_run(amp: dict, inject: set[int], n_steps: int = 4, micro: int = 32):
-    """fp16 run with k=2; loss made inf on the optimizer steps (calls) listed in `inject`."""
+def fp16_run(amp: dict, inject: set[int], n_steps: int = 4, micro: int = 32,
+             device_skip: bool = False, opt: str = "sgd"):
+    """fp16 run with k=2; loss made inf on the optimizer steps (calls) listed in `inject`.
+    `device_skip`: the overflow flag stays on the device, as on CUDA (`Run.device_skip`)."""
     x, y = make_data(steps=n_steps, n=2 * micro, dtype=torch.float32)
-    s = strategy("sgd", global_batch=2 * micro, micro=micro, k=2, amp={"dtype": "float16", **amp})
+    s = strategy(opt, global_batch=2 * micro, micro=micro, k=2, amp={"dtype": "float16", **amp})
     run = prepare(make_model(torch.float32), s, total_steps=10, world=ONE)
+    assert not run.device_skip  # a CPU run reads the flag
+    if device_skip:
+        assert takes_overflow_flag(run.optimizer), type(run.optimizer)
+        run.device_skip = True
     lrs, snapshots, results = [], [], []
     run.optimizer.register_step_pre_hook(lambda opt, a, kw: lrs.append(opt.param_groups[0]["lr"]))
     for call in range(n_steps):
@@ -312,6 +319,46 @@ def test_fp16_fleet_loss_scaling_counters():
     _, _, _, results = fp16_run({**amp, "use_dynamic_loss_scaling": False}, inject={0, 1}, n_steps=5)
     assert [r[2] for r in results] == [1024.0] * 5
     assert [r[1] for r in results] == [True, True, False, False, False]
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw", "lamb", "lars"])
+def test_fp16_overflow_skipped_on_the_device(opt):
+    """The CUDA mode: the optimizer skips the overflow step itself (fused SGD/AdamW read
+    GradScaler's flag; LAMB/LARS too), the schedule advances, the step is still counted
+    as skipped, and the loss scale follows the same Fleet counters."""
+    run, lrs, snaps, results = fp16_run({"init_loss_scaling": 1024.0}, inject={1},
+                                        device_skip=True, opt=opt)
+    assert [r[:2] for r in results] == [(True, False)] * 4
+    assert run.step == 4 and run.skipped_steps == 1 and run.stats["skipped_steps"] == 1
+    assert_same(snaps[1], snaps[2], rtol=0, atol=0)  # the update was skipped
+    assert not any(torch.equal(a, b) for a, b in zip(snaps[2], snaps[3], strict=True))
+    assert lrs == pytest.approx([run.schedule.lr(t) for t in range(4)])  # advanced
+    if opt == "adamw":  # Adam's step count held too (its bias correction)
+        assert {float(st["step"]) for st in run.optimizer.state.values()} == {3.0}
+    amp = {"init_loss_scaling": 1024.0, "decr_every_n_nan_or_inf": 2, "incr_every_n_steps": 2}
+    host = fp16_run(amp, inject={0, 1}, n_steps=5, opt=opt)[3]
+    device = fp16_run(amp, inject={0, 1}, n_steps=5, device_skip=True, opt=opt)[3]
+    assert [r[2] for r in device] == [r[2] for r in host] == [1024.0, 512.0, 512.0, 1024.0, 1024.0]
+
+
+def test_fp16_device_skip_reads_nothing_to_the_host(monkeypatch):
+    """No value leaves the device during the steps: every way a tensor reaches Python
+    fails inside them (the check `torch.cuda.set_sync_debug_mode` makes on a GPU)."""
+    run, *_ = fp16_run({"init_loss_scaling": 1024.0}, inject=set(), n_steps=1, device_skip=True)
+    x, y = make_data(steps=3, n=64, dtype=torch.float32)
+
+    def refuse(*a, **k):
+        raise AssertionError("a tensor was read to the host during the step")
+
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__"):
+            m.setattr(torch.Tensor, name, refuse)
+        for step in range(3):
+            for i in (0, 32):
+                with run.micro_step() as ms:
+                    loss = F.cross_entropy(run.model(x[step, i:i + 32]), y[step, i:i + 32])
+                    ms.backward(loss * float("inf") if step == 1 and i == 0 else loss)
+    assert run.step == 4 and run.skipped_steps == 1
 
 
 # ---------------------------------------------------------------- recompute

@@ -3,10 +3,9 @@
 After a first step (optimizer state is created there), every micro-step and
 optimizer step runs under ``torch.cuda.set_sync_debug_mode("error")``: AdamW,
 LAMB, LARS, global-norm clipping, bf16 autocast, gradient merge, summed losses
-with a tensor count, and the noise scale (its norms stay on the device until the
-batched transfer every 64 steps, or a read of `run.stats`). fp16 loss scaling is
-left out: its overflow flag is read on the host, since a skipped step holds the
-schedule and the step count (one read per step, fp16 only).
+with a tensor count, the noise scale (its norms stay on the device until the
+batched transfer every 64 steps, or a read of `run.stats`), and fp16 loss scaling
+(the optimizer skips an overflow step on the device: `Run.device_skip`).
 """
 
 from __future__ import annotations
@@ -57,6 +56,13 @@ CASES = {
                    "lars": {"enable": True}, "gradient_merge": {"k_steps": 2}},
     "adamw_noise_scale": {"optimizer": {"type": "adamw"}, "gradient_merge": {"k_steps": 2},
                           "adaptive": {"noise_scale": True}},
+    "adamw_fp16_clip": {"optimizer": {"type": "adamw", "max_grad_norm": 1.0},
+                        "amp": {"enable": True, "dtype": "float16"}},
+    "lamb_fp16_merge": {"optimizer": {"type": "adamw", "max_grad_norm": 1.0},
+                        "lamb": {"enable": True}, "gradient_merge": {"k_steps": 2},
+                        "amp": {"enable": True, "dtype": "float16"}},
+    "lars_fp16": {"optimizer": {"type": "momentum", "momentum": 0.9}, "lars": {"enable": True},
+                  "amp": {"enable": True, "dtype": "float16"}},
 }
 
 
@@ -103,3 +109,28 @@ def test_engine_step_makes_no_host_sync(name, count):
                                                               strict=True)]
     assert all(moved)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["adamw_fp16_clip", "lamb_fp16_merge", "lars_fp16"])
+def test_fp16_overflow_is_skipped_on_the_device(name):
+    """An inf loss: the optimizer leaves the weights as they were, the step counts as
+    skipped, the schedule moves on, and nothing is read to the host."""
+    torch.manual_seed(0)
+    model = Tiny()
+    run = prepare(model, _strategy(CASES[name]), total_steps=20,
+                  world=World(device=torch.device("cuda")))
+    assert run.device_skip
+    tokens = torch.randint(0, 64, (run.k_steps, run.plan.micro_batch_size, 9), device="cuda")
+    before = [p.detach().clone() for p in model.parameters()]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i in range(run.k_steps):
+            with run.micro_step() as ms:
+                loss = F.cross_entropy(run.model(tokens[i, :, :-1]).float().flatten(0, 1),
+                                       tokens[i, :, 1:].flatten())
+                ms.backward(loss * float("inf"))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert ms.stepped and run.step == 1 and run.skipped_steps == 1
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters(), strict=True))

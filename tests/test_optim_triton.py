@@ -24,6 +24,7 @@ import torch
 from test_optim_kernels import (
     LAYOUT_CONFIGS,
     LAYOUTS,
+    LRS,
     OPTION_CONFIGS,
     assert_mixed_match_reference,
     assert_round_trip_continues,
@@ -263,6 +264,7 @@ def test_dtensor_shards_on_two_ranks_equal_single_process():
 _ARGS = {  # the kernels' non-constexpr arguments, as the steps pass them
     "*i64": ("ptrs", "chunk_tensor", "chunk_start", "numel", "first_chunk", "positions"),
     "*fp64": ("partials", "scalars", "total", "squares", "lr_ptr", "ratios", "out"),
+    "*fp32": ("found",),
     "i32": ("n_tensors", "chunk0", "role"),
     "fp64": ("lr_value", "beta1", "beta2", "log_beta1", "log_beta2", "eps", "weight_decay",
              "max_norm", "momentum", "coeff"),
@@ -289,20 +291,20 @@ def test_kernels_compile_for_sm90_with_16_byte_accesses():
     f32 = dict(W=tl.float32, S=tl.float32, C=tl.float32)
     sizes = dict(CHUNK=1 << 16, BLOCK=4096, ALIGN=4)  # the defaults (the fixture shrinks them)
     built = [
-        _compile(k.lamb_moments, **f32, BIAS=True, NORMS=True, CLIP=True, **sizes),
+        _compile(k.lamb_moments, **f32, BIAS=True, NORMS=True, CLIP=True, SKIP=True, **sizes),
         _compile(k.lamb_update, **f32, BIAS=True, ADAPT=True, TRUST_CLIP=True, SUMMED=False,
-                 LR_PTR=True, RBLOCK=256, **sizes),
+                 LR_PTR=True, SKIP=False, RBLOCK=256, **sizes),
         _compile(k.lars_norms, **f32, NORMS=True, **sizes),
         _compile(k.lars_update, **f32, ADAPT=True, TRUST_CLIP=False, NESTEROV=True,
-                 SUMMED=True, LR_PTR=False, RBLOCK=256, **sizes),
+                 SUMMED=True, LR_PTR=False, SKIP=True, RBLOCK=256, **sizes),
         _compile(k.sum_squares, W=tl.float32, C=tl.float32, **sizes),
         _compile(k.reduce_chunks, K=2, RBLOCK=256),
         _compile(k.lamb_update, W=tl.bfloat16, S=tl.float32, C=tl.float32, BIAS=False,
-                 ADAPT=False, TRUST_CLIP=False, SUMMED=False, LR_PTR=False, RBLOCK=256,
-                 **{**sizes, "ALIGN": 8}),
+                 ADAPT=False, TRUST_CLIP=False, SUMMED=False, LR_PTR=False, SKIP=True,
+                 RBLOCK=256, **{**sizes, "ALIGN": 8}),
         _compile(k.lars_update, W=tl.float64, S=tl.float64, C=tl.float64, ADAPT=True,
-                 TRUST_CLIP=True, NESTEROV=False, SUMMED=False, LR_PTR=True, RBLOCK=256,
-                 **{**sizes, "ALIGN": 1}),
+                 TRUST_CLIP=True, NESTEROV=False, SUMMED=False, LR_PTR=True, SKIP=False,
+                 RBLOCK=256, **{**sizes, "ALIGN": 1}),
     ]
     for compiled, stores in zip(built[:4], (True, True, False, True), strict=True):
         ptx = compiled.asm["ptx"]
@@ -319,3 +321,33 @@ _GPU_DOC = Path(__file__).resolve().parent.parent / "docs" / "gpu.md"
                                                re.S))
 def test_gpu_page_snippets_run(snippet):
     exec(compile(snippet, str(_GPU_DOC), "exec"), {})
+
+
+@pytest.mark.parametrize("at", [0, 1], ids=["first-step", "later-step"])
+@pytest.mark.parametrize("kernel", ["triton", "reference"])
+@pytest.mark.parametrize("cls,kw", [OPTION_CONFIGS[1], OPTION_CONFIGS[7]], ids=config_id)
+def test_a_flagged_overflow_step_changes_nothing(cls, kw, kernel, at):
+    """GradScaler's ``found_inf`` protocol (the engine's fp16 step on CUDA): a step with
+    inf gradients and the flag set leaves weights and state bit for bit as they were
+    (the Triton kernel reads the flag on the device), and a clear flag is a plain step."""
+    plain = run(cls, kw, kernel, steps=3)
+    named = named_params()
+    opt = cls(named, exclude=("bias",), kernel=kernel, **kw)
+    params = [p for _, p in named]
+    base = [g["lr"] for g in opt.param_groups]
+    for t in range(3):
+        if t == at:
+            for p in params:
+                p.grad = torch.full_like(p, float("inf"))
+            opt.found_inf = torch.ones((), dtype=torch.float32)
+            opt.step()
+        for group, lr0 in zip(opt.param_groups, base, strict=True):
+            group["lr"] = lr0 * LRS[t % len(LRS)]
+        for (name, p), g in zip(named, grads_like(params, t), strict=True):
+            p.grad = torch.zeros_like(p) if name.startswith("frozen") else g
+        opt.found_inf = torch.zeros((), dtype=torch.float32)
+        opt.step()
+    for (name, p), (_, q) in zip(plain[0], named, strict=True):
+        assert torch.equal(p, q), name
+        for key, value in plain[1].state[p].items():
+            assert torch.equal(opt.state[q][key], value), (name, key)

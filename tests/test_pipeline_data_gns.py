@@ -83,7 +83,7 @@ def _single(optimizer: str = "momentum", lr: str = "none"):
     def small_of_data_ranks(info):
         norms = []
         for d in range(W):
-            grads = [g / (run._count_mult * counts[d]) for g in caught[d * K]]
+            grads = [g / (run.window.count_mult * counts[d]) for g in caught[d * K]]
             if optimizer == "adamw":
                 grads = preconditioned_grads(run.optimizer, params, grads)
             norms.append(sum(float(g.square().sum()) for g in grads))

@@ -113,7 +113,7 @@ def _one_rank_overflows(rank: int) -> bool:
     w.grad = torch.full((4,), float("inf") if rank == 0 else 1.0)
     scaler = LossScaler("cpu", init_scale=1.0, sharded=True)
     scaler.scale(torch.ones(()))  # GradScaler unscales only after a scale
-    return scaler.unscale_(torch.optim.SGD([w], lr=0.1))
+    return bool(scaler.unscale_(torch.optim.SGD([w], lr=0.1)))
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ from _hf_models import (
 
 from bigbatch.config.strategy import Strategy
 from bigbatch.engine.prepare import prepare
-from bigbatch.errors import ConfigError
+from bigbatch.errors import ConfigError, SaveStateError
 from bigbatch.parallel.model_plan import ModelPlan
 from bigbatch.parallel.world import World
 
@@ -154,7 +154,32 @@ def _worker(state_dir: str) -> dict:
     out["extra"] = run.load_state(state_dir)
     out["resumed"] = train(run, rows, range(out["extra"]["next_step"], STEPS))
     out["whole"] = run.whole_state_dict()
+    out["failed"] = _save_fails_on_rank_1(run, state_dir, rank)
     return out
+
+
+def _save_fails_on_rank_1(run, state_dir: str, rank: int):
+    """A full disk on rank 1 alone: every rank raises, within seconds, naming rank 1;
+    the state saved before stays whole (the tests below load it)."""
+    import errno
+    import time
+
+    real = torch.save
+
+    def full(obj, f, *a, **k):
+        if rank == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(obj, f, *a, **k)
+
+    torch.save = full
+    t0 = time.monotonic()
+    try:
+        run.save_state(state_dir, extra={"next_step": 99})
+    except SaveStateError as e:
+        return str(e), time.monotonic() - t0
+    finally:
+        torch.save = real
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -227,6 +252,8 @@ def test_save_and_load_state_mid_run_under_stage3(parallel, single, state_dir):
     for rank in range(W):
         assert parallel[rank]["extra"] == {"next_step": 5}
         _close(parallel[rank]["resumed"], single["llama"])
+        message, seconds = parallel[rank]["failed"]
+        assert "failed on rank 1 (No space left on device)" in message and seconds < 30
     _close(parallel[0]["whole"], single["llama"])  # the unsplit model's, on rank 0
     assert sorted(p.name for p in state_dir.parent.iterdir()) == [state_dir.name]  # no temp
 

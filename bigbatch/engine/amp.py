@@ -4,14 +4,14 @@
 check. Its own `update()` backs off on *every* overflow; Fleet's
 `update_loss_scaling` backs off only after `decr_every_n_nan_or_inf`
 consecutive overflows and never below 1, and grows only when the grown scale
-is finite. We keep those counters in Python (the engine reads `found_inf`
-anyway to decide whether to step, so they cost no extra sync) and hand the
-result to `GradScaler.update(new_scale=...)`.
+is finite. We keep those counters as tensors on the device, updated from the
+step's overflow flag with tensor operations, and hand the new scale to
+`GradScaler.update(new_scale=...)`: nothing here reads a value to the host
+(the engine decides whether it reads the flag; see `Run.device_skip`).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -61,7 +61,6 @@ class LossScaler:
         for key, value, ok, allowed in checks:
             if not ok:
                 raise ConfigError(f"{key}={value}: expected {allowed}")
-        self.scale_value = float(init_scale)
         self.incr_every_n_steps = int(incr_every_n_steps)
         self.decr_every_n_nan_or_inf = int(decr_every_n_nan_or_inf)
         self.incr_ratio = float(incr_ratio)
@@ -70,18 +69,37 @@ class LossScaler:
         self.sharded = bool(sharded)
         """Gradients are sharded or sliced over ranks: an overflow seen by one rank skips
         the step on all (the flags are max-reduced over the world)."""
-        self.good_steps = 0
-        self.bad_steps = 0
-        # growth/backoff mirror the config so the GradScaler reads sensibly when inspected;
-        # the update rule itself is ours (see module docstring).
         self._device = torch.device(device_type)
+        # The scale and Fleet's counters live on the device; `_good`/`_bad` are the
+        # consecutive finite/overflow steps, `_skipped` the overflow steps this scaler saw.
+        self._scale = torch.full((), float(init_scale), dtype=torch.float32, device=self._device)
+        self._good = torch.zeros((), dtype=torch.int64, device=self._device)
+        self._bad = torch.zeros((), dtype=torch.int64, device=self._device)
+        self._skipped = torch.zeros((), dtype=torch.int64, device=self._device)
         self.scaler = torch.amp.GradScaler(
             device_type,
-            init_scale=self.scale_value,
+            init_scale=float(init_scale),
             growth_factor=self.incr_ratio,
             backoff_factor=self.decr_ratio,
             growth_interval=self.incr_every_n_steps,
         )
+
+    @property
+    def scale_value(self) -> float:
+        """The current loss scale (reads the device: for logging and statistics)."""
+        return float(self._scale)
+
+    @property
+    def good_steps(self) -> int:
+        return int(self._good)
+
+    @property
+    def bad_steps(self) -> int:
+        return int(self._bad)
+
+    def skipped_steps(self) -> int:
+        """Overflow steps this scaler has seen (reads the device)."""
+        return int(self._skipped)
 
     @classmethod
     def from_config(cls, amp: Any, device_type: str, sharded: bool = False) -> LossScaler:
@@ -100,49 +118,50 @@ class LossScaler:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss)
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Unscale the optimizer's gradients in place; True when any is inf or nan."""
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """Unscale the optimizer's gradients in place; returns the overflow flag, a 0-d
+        float32 tensor on the device (1 when any gradient is inf or nan, on any rank of a
+        sharded run). Nothing is read to the host."""
         self.scaler.unscale_(optimizer)
         # GradScaler keeps the per-device flags only under a private name; torch is pinned.
-        flags = self.scaler._found_inf_per_device(optimizer).values()
-        if not self.sharded:
-            return bool(sum(float(f.item()) for f in flags))
-        import torch.distributed as dist
-
-        found = torch.zeros((), device=self._device)
-        for f in flags:
+        found = torch.zeros((), dtype=torch.float32, device=self._device)
+        for f in self.scaler._found_inf_per_device(optimizer).values():
             found = torch.maximum(found, f.to(found.device, found.dtype))
-        if dist.is_initialized():
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        return bool(found.item())
+        if self.sharded:
+            import torch.distributed as dist
 
-    def update(self, found_inf: bool) -> None:
-        """Advance the counters after one optimizer step (taken or skipped)."""
+            if dist.is_initialized():
+                dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        return found
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        """Advance the counters after one optimizer step (taken or skipped), from the
+        step's overflow flag, with tensor operations only (no host read)."""
+        bad = found_inf > 0
+        self._skipped += bad
         if self.dynamic:
-            if found_inf:
-                self.good_steps = 0
-                self.bad_steps += 1
-                if self.bad_steps == self.decr_every_n_nan_or_inf:
-                    self.scale_value = max(self.scale_value * self.decr_ratio, 1.0)
-                    self.bad_steps = 0
-            else:
-                self.bad_steps = 0
-                self.good_steps += 1
-                if self.good_steps == self.incr_every_n_steps:
-                    grown = self.scale_value * self.incr_ratio
-                    if math.isfinite(grown):
-                        self.scale_value = grown
-                    self.good_steps = 0
+            one = torch.ones_like(self._good)
+            self._good = torch.where(bad, 0, self._good + one)
+            self._bad = torch.where(bad, self._bad + one, 0)
+            back_off = self._bad == self.decr_every_n_nan_or_inf
+            self._scale = torch.where(back_off, (self._scale * self.decr_ratio).clamp_min(1.0),
+                                      self._scale)
+            self._bad = torch.where(back_off, 0, self._bad)
+            grow = self._good == self.incr_every_n_steps
+            grown = self._scale * self.incr_ratio
+            self._scale = torch.where(grow & torch.isfinite(grown), grown, self._scale)
+            self._good = torch.where(grow, 0, self._good)
         # Also clears GradScaler's per-iteration inf records.
-        self.scaler.update(new_scale=self.scale_value)
+        self.scaler.update(new_scale=self._scale)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale_value, "good_steps": self.good_steps, "bad_steps": self.bad_steps}
+        return {"scale": self.scale_value, "good_steps": self.good_steps,
+                "bad_steps": self.bad_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scale_value = float(state["scale"])
-        self.good_steps = int(state["good_steps"])
-        self.bad_steps = int(state["bad_steps"])
+        self._scale.fill_(float(state["scale"]))
+        self._good.fill_(int(state["good_steps"]))
+        self._bad.fill_(int(state["bad_steps"]))
         sd = self.scaler.state_dict()
-        sd.update(scale=self.scale_value, _growth_tracker=0)
+        sd.update(scale=float(state["scale"]), _growth_tracker=0)
         self.scaler.load_state_dict(sd)

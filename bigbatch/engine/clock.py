@@ -39,9 +39,11 @@ class ScheduleClock:
         self.unit_batch_size = int(unit_batch_size)
         """Samples of one schedule unit (the first run's global batch; AdaScale: the base batch)."""
         self.step = 0
-        """Optimizer steps taken (skipped overflow steps excluded)."""
-        self.skipped_steps = 0
-        """Optimizer steps skipped because of inf/nan gradients."""
+        """Optimizer steps taken (skipped overflow steps excluded, except those skipped on
+        the device: `advance_flagged`)."""
+        self._held = 0
+        # Overflow flags of `advance_flagged` steps, summed on the device (None: none yet).
+        self._flagged: torch.Tensor | None = None
         self.progress = 0.0
         """Where the schedule is read."""
         self.progress_rate = 1.0
@@ -75,7 +77,21 @@ class ScheduleClock:
 
     def skip(self) -> None:
         """One optimizer step was skipped (non-finite gradients): the schedule stays."""
-        self.skipped_steps += 1
+        self._held += 1
+
+    def advance_flagged(self, overflow: torch.Tensor) -> None:
+        """A step whose overflow flag stays on the device (fp16, `Run.device_skip`): the
+        optimizer skipped the update there or not, the schedule advances either way (as a
+        plain torch loop's LR scheduler does), and the flag adds to `skipped_steps`."""
+        flag = (overflow > 0).to(torch.int64)
+        self._flagged = flag if self._flagged is None else self._flagged + flag
+        self.advance()
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because of inf/nan gradients (reads the device when
+        some were flagged there)."""
+        return self._held + (int(self._flagged) if self._flagged is not None else 0)
 
     def set_gain(self, lr_scale: float, progress_rate: float) -> None:
         """AdaScale: this step's LR multiplier and the schedule units it counts for."""
@@ -103,7 +119,7 @@ class ScheduleClock:
         """Counters and position from a checkpoint (`rescale` afterwards if the batch moved);
         the LR is written again at once."""
         self.step = int(state["step"])
-        self.skipped_steps = int(state["skipped_steps"])
+        self._held, self._flagged = int(state["skipped_steps"]), None
         self.progress = float(state["progress"])
         self.progress_rate = float(state["progress_rate"])
         self.lr_scale = float(state["lr_scale"])

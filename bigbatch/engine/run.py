@@ -115,6 +115,11 @@ class Run:
         """Seconds inside the micro-step blocks of the latest optimizer step (no data loading)."""
         self.sync_timing = False
         """Synchronise the device at each micro-step's end so step times are device times."""
+        self.device_skip = scaler is not None and pipeline is None \
+            and world.device.type == "cuda" and _step.takes_overflow_flag(optimizer)
+        """fp16 on CUDA, optimizer taking the flag (`step.takes_overflow_flag`), no gradient
+        hooks: the optimizer skips an overflow step on the device and the schedule advances
+        (`skipped_steps` counts it); else the flag is read and the step holds the schedule."""
         self.track_grad_norm = track_stats
         """Record the global grad norm at every step for `stats` (one foreach norm)."""
         self.max_grad_norm = strategy.max_grad_norm() if hasattr(strategy, "max_grad_norm") \
@@ -182,10 +187,6 @@ class Run:
                          autocast=None if dtype is None else (self.world.device.type, dtype),
                          local_sgd=self.local_sgd, timing=self.timing, finish=self._finish_step,
                          skip=self.skip_step, add_time=self._add_step_time)
-
-    @property
-    def _count_mult(self) -> float:
-        return self.window.count_mult
 
     def pipeline_step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None,
                       loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, Any]]
@@ -271,12 +272,9 @@ class Run:
             self.local_sgd.synchronize()
 
     def skip_step(self) -> None:
-        """Drop the merge window's gradients: no optimizer step, the schedule stays.
-
-        For a step that must not count (a non-finite loss): call it instead of
-        `ms.backward()` inside the micro-step's block (`ms.skip()`) or between
-        micro-steps. With several workers every worker must skip the same step.
-        """
+        """Drop the merge window's gradients: no optimizer step, the schedule stays. For a
+        step that must not count (a non-finite loss): call it instead of `ms.backward()`
+        (`ms.skip()`) or between micro-steps; every worker must skip the same step."""
         self.optimizer.zero_grad(set_to_none=True)
         self.window.reset()
         self._step_time = 0.0
@@ -293,9 +291,10 @@ class Run:
             _step.align_grads(self._tp_params)
         _step.normalize(window, params, self.mesh.data_degree)
         found_inf = _step.unscale(self.scaler, self.optimizer)
+        flag, skipped = _step.overflow(found_inf, self.device_skip and not self.grad_hooks)
         # Taken every step: the comm hook starts a new sum once it is taken.
         local_raw = self._comm.take_local_sq() if self._comm is not None else None
-        if not found_inf:
+        if not skipped:
             info = _step.statistics(self.grad_hooks, lambda: self._grad_info(
                 local_raw, local_count, total_count))
             if self.track_grad_norm or self.max_grad_norm is not None:
@@ -303,21 +302,24 @@ class Run:
             if self.max_grad_norm is not None:
                 _step.clip(params, self._grad_norm, self.max_grad_norm)
             self.clock.apply()
-            _step.optimizer_step(self.optimizer, self.module.named_parameters)
+            _step.optimizer_step(self.optimizer, self.module.named_parameters, flag)
         if self.scaler is not None:
             self.scaler.update(found_inf)
         self.optimizer.zero_grad(set_to_none=True)
         window.reset()
-        self._end_step(t0, skipped=found_inf)
-        return found_inf
+        self._end_step(t0, skipped=skipped, flagged=flag)
+        return skipped
 
-    def _end_step(self, t0: float, skipped: bool) -> None:
+    def _end_step(self, t0: float, skipped: bool, flagged: torch.Tensor | None = None) -> None:
         self._add_step_time(t0)
         self.last_step_seconds, self._step_time = self._step_time, 0.0
         if skipped:
             self.clock.skip()
             return
-        self.clock.advance()
+        if flagged is not None:  # the optimizer may have skipped it on the device
+            self.clock.advance_flagged(flagged)
+        else:
+            self.clock.advance()
         for hook in self.step_hooks:
             hook(self)
 

@@ -29,31 +29,49 @@ from typing import Any
 import numpy as np
 import torch
 
-from bigbatch.errors import ConfigError
+from bigbatch.errors import ConfigError, SaveStateError
 
-__all__ = ["load_state", "save_state", "whole_state_dict"]
+try:
+    from torch.distributed.checkpoint.api import CheckpointException
+except ImportError:  # a torch without DCP
+    CheckpointException = OSError  # type: ignore[misc,assignment]
+
+__all__ = ["dcp_options", "failure_reason", "dcp_state", "load_state", "rng_state", "save_state",
+           "set_dcp_state", "set_rng_state", "whole_state_dict"]
 
 MARKER = "bigbatch-state.json"
 FORMAT = 1
 
 
-def _barrier() -> None:
-    import torch.distributed as dist
+def dcp_options() -> Any:
+    """The state-dict options every DCP save and load of bigbatch uses: optimizer state
+    keyed by parameter name, not by group index (pipeline stages' groups share indices
+    but not parameters, and DCP keeps one value per key)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    if dist.is_initialized():
-        dist.barrier()
+    return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def _dcp_state(run: Any) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+def dcp_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``{"model", "optimizer"}`` state dicts of this rank's shards, for `dcp.save` and
+    `dcp.load` (`save_state` and the trainer's sharded checkpoints)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    # Optimizer state keyed by parameter name: stages' groups share indices, not parameters.
-    model, optim = get_state_dict(run.module, run.optimizer,
-                                  options=StateDictOptions(flatten_optimizer_state_dict=True))
+    model, optim = get_state_dict(module, optimizer, options=dcp_options())
     return {"model": model, "optimizer": optim}
 
 
-def _rng() -> dict[str, Any]:
+def set_dcp_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  state: dict[str, Any]) -> None:
+    """Put a `dcp_state` that `dcp.load` filled back into the module and optimizer."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    set_state_dict(module, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"], options=dcp_options())
+
+
+def rng_state() -> dict:
+    """This process's random-number generator states: torch (CPU and CUDA), numpy, python."""
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
              "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -61,7 +79,8 @@ def _rng() -> dict[str, Any]:
     return state
 
 
-def _set_rng(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict) -> None:
+    """Restore what `rng_state()` returned."""
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
@@ -69,9 +88,39 @@ def _set_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _agree(run: Any, failure: BaseException | None, what: str) -> None:
+    """Collective: raise `SaveStateError` on every rank if `failure` happened on any,
+    naming the lowest rank that failed (DCP tells every rank which ones did)."""
+    from bigbatch.parallel.world import gather
+
+    mine = None
+    if failure is not None:
+        failed = getattr(failure, "failures", None)
+        rank = min(failed) if isinstance(failed, dict) and failed else run.world.rank
+        mine = (rank, failure_reason(failure))
+    bad = sorted(f for f in gather(mine, run.world) if f is not None)
+    if bad:
+        rank, why = bad[0]
+        raise SaveStateError(f"{what} failed on rank {rank} ({why}); the previous state, if "
+                             "any, is kept") from failure
+
+
+def failure_reason(e: BaseException) -> str:
+    """Why a write or read failed, in a few words (torch.save's RuntimeError does not say;
+    DCP's CheckpointException: its lowest failed rank's error)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = failures[min(failures)]
+        e = inner[0] if isinstance(inner, tuple) else inner
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 def save_state(run: Any, directory: str | os.PathLike, extra: dict[str, Any] | None = None
                ) -> Path:
-    """Collective (every rank calls it): write `run`'s state and `extra` to `directory`."""
+    """Collective (every rank calls it): write `run`'s state and `extra` to `directory`.
+    A failure on any rank (a full disk) raises `SaveStateError` on every rank."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -80,32 +129,53 @@ def save_state(run: Any, directory: str | os.PathLike, extra: dict[str, Any] | N
         raise ConfigError(f"run.save_state({str(final)!r}): the directory exists and is not "
                           "a state bigbatch wrote; choose another (nothing was written)")
     world, sharded = run.world, run.mesh.degrees.sharded_state
+    what = f"run.save_state({str(final)!r})"
     tmp = final.with_name(f".{final.name}.tmp")
+    failure: BaseException | None = None
     if world.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)  # our own leftover from an interrupted save
-        tmp.mkdir(parents=True)
-    _barrier()
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)  # our own leftover from an interrupted save
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            failure = e
+    _agree(run, failure, what)
     engine = run.state_dict()  # collective under ZeRO-1 (the optimizer gathers to rank 0)
-    if sharded:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(_dcp_state(run), checkpoint_id=tmp / "model",
-                     no_dist=not dist.is_initialized())
-    torch.save(_rng(), tmp / f"rng-{world.rank}.pt")
-    _barrier()
+    try:
+        if sharded:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save(dcp_state(run.module, run.optimizer), checkpoint_id=tmp / "model",
+                         no_dist=not dist.is_initialized())
+        torch.save(rng_state(), tmp / f"rng-{world.rank}.pt")
+        if world.is_main:
+            if not sharded:
+                torch.save(run.module.state_dict(), tmp / "model.pt")
+            torch.save({"engine": engine, "extra": dict(extra or {})}, tmp / "run.pt")
+    # torch reports a full disk as RuntimeError, DCP as CheckpointException (a BaseException)
+    except (OSError, RuntimeError, CheckpointException) as e:
+        failure = e
+    try:
+        _agree(run, failure, what)
+    except SaveStateError:
+        if world.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = final.with_name(f".{final.name}.old")
     if world.is_main:
-        if not sharded:
-            torch.save(run.module.state_dict(), tmp / "model.pt")
-        torch.save({"engine": engine, "extra": dict(extra or {})}, tmp / "run.pt")
-        (tmp / MARKER).write_text(json.dumps({"format": FORMAT, "step": run.step,
-                                              "world_size": world.world_size,
-                                              "sharded": sharded}) + "\n")
-        old = final.with_name(f".{final.name}.old")
-        if final.exists():
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+        try:
+            (tmp / MARKER).write_text(json.dumps({"format": FORMAT, "step": run.step,
+                                                  "world_size": world.world_size,
+                                                  "sharded": sharded}) + "\n")
+            if final.exists():
+                os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        except OSError as e:
+            failure = e
+            if old.exists() and not final.exists():
+                os.replace(old, final)
+            shutil.rmtree(tmp, ignore_errors=True)
+    _agree(run, failure, what)
     return final
 
 
@@ -113,8 +183,6 @@ def load_state(run: Any, directory: str | os.PathLike) -> dict[str, Any]:
     """Collective: restore what `save_state` wrote into `run`; returns the `extra` dict."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
     path = Path(directory)
     if not (path / MARKER).is_file():
         raise ConfigError(f"run.load_state({str(path)!r}): no state saved there "
@@ -127,19 +195,17 @@ def load_state(run: Any, directory: str | os.PathLike) -> dict[str, Any]:
                           f"is {'sharded' if sharded else 'not'} (the layout must agree)")
     saved = torch.load(path / "run.pt", map_location="cpu", weights_only=False)
     if sharded:
-        state = _dcp_state(run)
+        state = dcp_state(run.module, run.optimizer)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=path / "model", no_dist=not dist.is_initialized())
-        set_state_dict(run.module, run.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"],
-                       options=StateDictOptions(flatten_optimizer_state_dict=True))
+        set_dcp_state(run.module, run.optimizer, state)
     else:
         run.module.load_state_dict(torch.load(path / "model.pt", map_location=run.world.device))
     run.load_state_dict(saved["engine"])
     rng = path / f"rng-{run.world.rank}.pt"
     if int(meta["world_size"]) == run.world.world_size and rng.is_file():
-        _set_rng(torch.load(rng, weights_only=False))
+        set_rng_state(torch.load(rng, weights_only=False))
     return saved["extra"]
 
 

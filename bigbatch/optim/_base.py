@@ -112,14 +112,17 @@ class LayerwiseOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         ratios: list | None = [] if self.track_trust_ratios else None
         if work:
             kernel = self._choose_kernel([p for _, params in work for p in params])
-            self._update(work, kernel, ratios)
+            # GradScaler's protocol (torch's fused optimizers read the same attribute).
+            self._update(work, kernel, ratios, getattr(self, "found_inf", None))
         self._last_ratios = ratios
         return loss
 
     @abc.abstractmethod
     def _update(self, work: list[tuple[dict, list[torch.Tensor]]], kernel: str,
-                ratios: list | None) -> None:
-        """Update every group's parameters that have gradients with ``kernel``.
+                ratios: list | None, found_inf: torch.Tensor | None = None) -> None:
+        """Update every group's parameters that have gradients with ``kernel``; none
+        where the overflow flag ``found_inf`` is set (``self.found_inf``, the protocol of
+        torch's GradScaler: the engine sets it for fp16 steps skipped on the device).
 
         Appends the trust ratios to ``ratios`` (floats or tensors) in parameter order.
         """

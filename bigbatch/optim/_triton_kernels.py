@@ -133,6 +133,15 @@ def _bias_corrections(step, log_beta1, log_beta2, BIAS: tl.constexpr):
 
 
 @_device_function
+def _kept(found, SKIP: tl.constexpr):
+    """Whether this step changes anything: with SKIP, only where the overflow flag
+    ``found`` (GradScaler's, a float32 0-d tensor) is 0."""
+    if SKIP:
+        return tl.load(found) == 0.0
+    return True
+
+
+@_device_function
 def _rate(lr_ptr, lr_value, LR_PTR: tl.constexpr):
     """The learning rate: a 0-d device tensor's value, or the float argument."""
     return tl.load(lr_ptr).to(tl.float64) if LR_PTR else _f64(lr_value)
@@ -203,9 +212,10 @@ def reduce_chunks(partials, first_chunk, squares, K: tl.constexpr, RBLOCK: tl.co
 def lamb_moments(ptrs, n_tensors, chunk_tensor, chunk_start, numel, partials, scalars, chunk0,
                  total, beta1: tl.float64, beta2: tl.float64, log_beta1: tl.float64,
                  log_beta2: tl.float64, eps: tl.float64, weight_decay: tl.float64,
-                 max_norm: tl.float64, W: tl.constexpr, S: tl.constexpr, C: tl.constexpr,
-                 BIAS: tl.constexpr, NORMS: tl.constexpr, CLIP: tl.constexpr,
-                 CHUNK: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+                 max_norm: tl.float64, found, W: tl.constexpr, S: tl.constexpr,
+                 C: tl.constexpr, BIAS: tl.constexpr, NORMS: tl.constexpr, CLIP: tl.constexpr,
+                 SKIP: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                 ALIGN: tl.constexpr):
     """LAMB's first pass over one chunk (rows: w, g, step, m, v)::
 
         g = g / clip                       (CLIP: clip = max(||g_all|| / max_norm, 1), stored)
@@ -217,15 +227,19 @@ def lamb_moments(ptrs, n_tensors, chunk_tensor, chunk_start, numel, partials, sc
     (reading m, v, w there moves as many bytes as writing u here and reading it
     back, and needs no buffer). With NORMS, the chunk's sums of ``w^2`` and
     ``u^2`` go to ``partials[2c]``, ``partials[2c + 1]``. The first chunk puts
-    the new step count in ``scalars[t]``.
+    the new step count in ``scalars[t]``. With SKIP and the overflow flag set, nothing
+    is written but the unchanged count (both passes then walk no elements).
     """
     c = chunk0 + tl.program_id(0)
     t, start, n = _chunk(chunk_tensor, chunk_start, numel, c, CHUNK, ALIGN)
+    kept = _kept(found, SKIP)
+    n = tl.where(kept, n, 0)
     w_ptr = _stream(ptrs, 0, n_tensors, t, start, W, ALIGN)
     g_ptr = _stream(ptrs, 1, n_tensors, t, start, W, ALIGN)
     m_ptr = _stream(ptrs, 3, n_tensors, t, start, S, ALIGN)
     v_ptr = _stream(ptrs, 4, n_tensors, t, start, S, ALIGN)
-    step = tl.load(_row(ptrs, 2, n_tensors, t, tl.float32)).to(tl.float64) + 1.0
+    step = tl.load(_row(ptrs, 2, n_tensors, t, tl.float32)).to(tl.float64) \
+        + tl.where(kept, 1.0, 0.0)
     tl.store(scalars + t, step, mask=start == 0)
     bc1, bc2 = _bias_corrections(step, log_beta1, log_beta2, BIAS)
     if CLIP:
@@ -282,16 +296,17 @@ def _lamb_ratio(w_square, u_square, TRUST_CLIP: tl.constexpr):
 def lamb_update(ptrs, n_tensors, chunk_tensor, chunk_start, numel, first_chunk, partials,
                 squares, scalars, chunk0, lr_ptr, lr_value: tl.float64,
                 log_beta1: tl.float64, log_beta2: tl.float64, eps: tl.float64,
-                weight_decay: tl.float64, ratios, positions, W: tl.constexpr,
+                weight_decay: tl.float64, ratios, positions, found, W: tl.constexpr,
                 S: tl.constexpr, C: tl.constexpr, BIAS: tl.constexpr, ADAPT: tl.constexpr,
                 TRUST_CLIP: tl.constexpr, SUMMED: tl.constexpr, LR_PTR: tl.constexpr,
-                CHUNK: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
-                RBLOCK: tl.constexpr):
+                SKIP: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                ALIGN: tl.constexpr, RBLOCK: tl.constexpr):
     """LAMB's second pass: ``w -= lr * ratio * u``, ``u`` recomputed from the stored
     moments exactly as the first pass computed it. The tensor's first chunk stores
     the step count, and the ratio at ``ratios[positions[t]]``."""
     c = chunk0 + tl.program_id(0)
     t, start, n = _chunk(chunk_tensor, chunk_start, numel, c, CHUNK, ALIGN)
+    n = tl.where(_kept(found, SKIP), n, 0)
     w_ptr = _stream(ptrs, 0, n_tensors, t, start, W, ALIGN)
     m_ptr = _stream(ptrs, 3, n_tensors, t, start, S, ALIGN)
     v_ptr = _stream(ptrs, 4, n_tensors, t, start, S, ALIGN)
@@ -367,10 +382,11 @@ def _lars_local_lr(w_square, g_square, lr, coeff, weight_decay, eps, TRUST_CLIP:
 def lars_update(ptrs, n_tensors, chunk_tensor, chunk_start, numel, first_chunk, partials,
                 squares, scalars, chunk0, lr_ptr, lr_value: tl.float64, momentum: tl.float64,
                 weight_decay: tl.float64, coeff: tl.float64, eps: tl.float64, ratios,
-                positions, W: tl.constexpr, S: tl.constexpr, C: tl.constexpr,
+                positions, found, W: tl.constexpr, S: tl.constexpr, C: tl.constexpr,
                 ADAPT: tl.constexpr, TRUST_CLIP: tl.constexpr, NESTEROV: tl.constexpr,
-                SUMMED: tl.constexpr, LR_PTR: tl.constexpr, CHUNK: tl.constexpr,
-                BLOCK: tl.constexpr, ALIGN: tl.constexpr, RBLOCK: tl.constexpr):
+                SUMMED: tl.constexpr, LR_PTR: tl.constexpr, SKIP: tl.constexpr,
+                CHUNK: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+                RBLOCK: tl.constexpr):
     """LARS's second pass, ``_steps.lars_momentum_coefficients`` then the momentum
     step, in the buffer's units (see ``lars.py``)::
 
@@ -379,10 +395,13 @@ def lars_update(ptrs, n_tensors, chunk_tensor, chunk_start, numel, first_chunk, 
         w = w - unit * b                   (Nesterov: w - momentum * unit * b - local_lr * d)
 
     The tensor's first chunk stores ``unit`` as its new ``local_lr`` (every chunk
-    read the previous one from ``scalars``), and ``local_lr / lr`` in ``ratios``.
+    read the previous one from ``scalars``), and ``local_lr / lr`` in ``ratios``. With
+    SKIP and the overflow flag set, it writes back the previous ``local_lr`` only.
     """
     c = chunk0 + tl.program_id(0)
     t, start, n = _chunk(chunk_tensor, chunk_start, numel, c, CHUNK, ALIGN)
+    kept = _kept(found, SKIP)
+    n = tl.where(kept, n, 0)
     lr = _rate(lr_ptr, lr_value, LR_PTR)
     mu = _f64(momentum)
     wd64 = _f64(weight_decay)
@@ -396,7 +415,7 @@ def lars_update(ptrs, n_tensors, chunk_tensor, chunk_start, numel, first_chunk, 
     zero = local_lr == 0.0
     unit = tl.where(zero, tl.where(prev == 0.0, 1.0, prev), local_lr)
     first = start == 0
-    _store(_row(ptrs, 3, n_tensors, t, S), unit, first, S)
+    _store(_row(ptrs, 3, n_tensors, t, S), tl.where(kept, unit, prev), first, S)
     if ADAPT:
         ratio = tl.where(lr == 0.0, 1.0, local_lr / tl.where(lr == 0.0, 1.0, lr))
     else:

@@ -28,9 +28,10 @@ from ._norms import sum_over_shards
 
 
 def lamb_triton(runs, max_grad_norm: float | None, ratios: list | None,
-                workspace: dict | None) -> None:
+                workspace: dict | None, found_inf: torch.Tensor | None = None) -> None:
     """LAMB over ``runs`` = ``(opts, params, grads, states)`` per group, states
-    ``(step, exp_avg, exp_avg_sq)``; see ``lamb.lamb`` for the update."""
+    ``(step, exp_avg, exp_avg_sq)``; see ``lamb.lamb`` for the update. A set
+    ``found_inf`` flag makes the step change nothing (read by the kernels)."""
     clip = max_grad_norm is not None
     # Rows w, g, step, m, v; m and v, like w and g, walked elementwise.
     step = plan.prepare(workspace, runs, streamed=(0, 1, 3, 4), state_row=3,
@@ -40,6 +41,7 @@ def lamb_triton(runs, max_grad_norm: float | None, ratios: list | None,
     tables = (step.ptrs, step.n, lay.chunk_tensor, lay.chunk_start, lay.numel)
     sizes = dict(CHUNK=plan.CHUNK, BLOCK=plan.BLOCK)
     total = lay.squares  # a placeholder pointer unless clipping
+    found, skip = _flag(found_inf, step)
     if clip:
         partials, squares = lay.grad_partials(), lay.grad_squares()
         for b in step.buckets:
@@ -56,9 +58,9 @@ def lamb_triton(runs, max_grad_norm: float | None, ratios: list | None,
         plan.launch(k.lamb_moments, b.chunks, *tables, lay.partials, lay.scalars, b.chunk0,
                     total, float(beta1), float(beta2), _log(beta1), _log(beta2),
                     float(o["eps"]), float(o["weight_decay"]), float(max_grad_norm or 0.0),
-                    W=k.dtype(b.weight_dtype), S=k.dtype(b.state_dtype), C=_compute(k, b),
-                    BIAS=bool(o["bias_correction"]), NORMS=bool(o["adapt"]), CLIP=clip,
-                    ALIGN=b.align, **sizes)
+                    found, W=k.dtype(b.weight_dtype), S=k.dtype(b.state_dtype),
+                    C=_compute(k, b), BIAS=bool(o["bias_correction"]), NORMS=bool(o["adapt"]),
+                    CLIP=clip, SKIP=skip, ALIGN=b.align, **sizes)
     summed = _sum_norms_over_shards(k, step)
     out = _ratios(step, ratios)
     for b in step.buckets:
@@ -68,22 +70,25 @@ def lamb_triton(runs, max_grad_norm: float | None, ratios: list | None,
         plan.launch(k.lamb_update, b.chunks, *tables, lay.first_chunk, lay.partials,
                     lay.squares, lay.scalars, b.chunk0, lr_ptr, lr_value, _log(beta1),
                     _log(beta2), float(o["eps"]), float(o["weight_decay"]), out,
-                    lay.positions, W=k.dtype(b.weight_dtype), S=k.dtype(b.state_dtype),
+                    lay.positions, found, W=k.dtype(b.weight_dtype), S=k.dtype(b.state_dtype),
                     C=_compute(k, b), BIAS=bool(o["bias_correction"]), ADAPT=bool(o["adapt"]),
                     TRUST_CLIP=bool(o["trust_clip"]), SUMMED=summed, LR_PTR=lr_is_ptr,
-                    RBLOCK=plan.REDUCE_BLOCK, **sizes, ALIGN=b.align)
+                    SKIP=skip, RBLOCK=plan.REDUCE_BLOCK, **sizes, ALIGN=b.align)
     step.copy_back()
 
 
-def lars_triton(runs, ratios: list | None, workspace: dict | None) -> None:
+def lars_triton(runs, ratios: list | None, workspace: dict | None,
+                found_inf: torch.Tensor | None = None) -> None:
     """LARS over ``runs`` = ``(opts, params, grads, states)`` per group, states
-    ``(momentum_buffer, local_lr)``; see ``lars.lars`` for the update."""
+    ``(momentum_buffer, local_lr)``; see ``lars.lars`` for the update. A set
+    ``found_inf`` flag makes the step change nothing (read by the kernels)."""
     # Rows w, g, momentum_buffer, local_lr.
     step = plan.prepare(workspace, runs, streamed=(0, 1, 2), state_row=2, written=(0, 2))
     k = plan.kernels(step.device)
     lay = step.layout
     tables = (step.ptrs, step.n, lay.chunk_tensor, lay.chunk_start, lay.numel)
     sizes = dict(CHUNK=plan.CHUNK, BLOCK=plan.BLOCK)
+    found, skip = _flag(found_inf, step)
     for b in step.buckets:
         plan.launch(k.lars_norms, b.chunks, *tables, lay.partials, lay.scalars, b.chunk0,
                     W=k.dtype(b.weight_dtype), S=k.dtype(b.state_dtype), C=_compute(k, b),
@@ -96,10 +101,11 @@ def lars_triton(runs, ratios: list | None, workspace: dict | None) -> None:
         plan.launch(k.lars_update, b.chunks, *tables, lay.first_chunk, lay.partials,
                     lay.squares, lay.scalars, b.chunk0, lr_ptr, lr_value, float(o["momentum"]),
                     float(o["weight_decay"]), float(o["trust_coefficient"]), float(o["eps"]),
-                    out, lay.positions, W=k.dtype(b.weight_dtype), S=k.dtype(b.state_dtype),
-                    C=_compute(k, b), ADAPT=bool(o["adapt"]), TRUST_CLIP=bool(o["trust_clip"]),
-                    NESTEROV=bool(o["nesterov"]), SUMMED=summed, LR_PTR=lr_is_ptr,
-                    RBLOCK=plan.REDUCE_BLOCK, **sizes, ALIGN=b.align)
+                    out, lay.positions, found, W=k.dtype(b.weight_dtype),
+                    S=k.dtype(b.state_dtype), C=_compute(k, b), ADAPT=bool(o["adapt"]),
+                    TRUST_CLIP=bool(o["trust_clip"]), NESTEROV=bool(o["nesterov"]),
+                    SUMMED=summed, LR_PTR=lr_is_ptr, SKIP=skip, RBLOCK=plan.REDUCE_BLOCK,
+                    **sizes, ALIGN=b.align)
     step.copy_back()
 
 
@@ -140,6 +146,14 @@ def _rate(lr, step: plan.Step) -> tuple[torch.Tensor, float, bool]:
             return step.layout.squares, float(lr), False
         return lr.to(step.device), 0.0, True
     return step.layout.squares, float(lr), False
+
+
+def _flag(found_inf: torch.Tensor | None, step: plan.Step) -> tuple[torch.Tensor, bool]:
+    """(pointer, whether the kernels read it) for GradScaler's overflow flag: a float32
+    0-d tensor on the parameters' device, or a placeholder pointer."""
+    if found_inf is None:
+        return step.layout.squares, False
+    return found_inf.to(step.device, torch.float32).reshape(()), True
 
 
 def _compute(k, bucket: plan.Bucket):

@@ -67,7 +67,7 @@ def lamb(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
          adapt: bool = True, groups: Sequence[tuple[dict, int]] | None = None,
          max_grad_norm: float | None = None, kernel: str = "reference",
          ratios: list | None = None, scratch: LambScratch | None = None,
-         workspace=None) -> None:
+         workspace=None, found_inf: torch.Tensor | None = None) -> None:
     """One LAMB step (the module docstring's update) over tensor lists, in place.
 
     ``params`` (plain tensors or DTensors), their ``grads``, and ``states``
@@ -82,6 +82,9 @@ def lamb(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     ``ratios`` in parameter order when it is a list. ``scratch`` (per-tensor)
     and ``workspace`` (Triton: a dict) are buffers a caller
     keeps between steps; without them each step makes its own.
+    ``found_inf``: a 0-d overflow flag (``torch.amp.GradScaler``'s): where it is
+    nonzero the step changes nothing. The Triton kernel reads it on the device; the
+    other kernels read it to the host first.
     """
     if groups is None:
         groups = [(dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
@@ -91,7 +94,9 @@ def lamb(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     if kernel == "triton":
         from ._triton_steps import lamb_triton
 
-        lamb_triton(runs, max_grad_norm, ratios, workspace)
+        lamb_triton(runs, max_grad_norm, ratios, workspace, found_inf)
+        return
+    if found_inf is not None and bool(found_inf):
         return
     if max_grad_norm is not None:
         _clip_gradients(params, grads, max_grad_norm, kernel)
@@ -194,7 +199,7 @@ class LAMB(LayerwiseOptimizer):
         state = self.state.get(w)
         return (state["step"], state["exp_avg"], state["exp_avg_sq"]) if state else None
 
-    def _update(self, work, kernel, ratios):
+    def _update(self, work, kernel, ratios, found_inf=None):
         params = [w for _, ps in work for w in ps]
         plain = not any_dtensor(params)
         if kernel == "triton" and plain:  # the kernels check devices and layouts themselves
@@ -204,7 +209,7 @@ class LAMB(LayerwiseOptimizer):
         lamb(params, [w.grad for w in params], states,
              groups=[({**g, "adapt": self._adapts(g)}, len(ps)) for g, ps in work],
              max_grad_norm=self.max_grad_norm, kernel=kernel, ratios=ratios,
-             scratch=self._scratch, workspace=self._workspace)
+             scratch=self._scratch, workspace=self._workspace, found_inf=found_inf)
 
 
 def _clip_gradients(params, grads, max_grad_norm: float, kernel: str) -> None:

@@ -54,7 +54,8 @@ def lars(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
          weight_decay: float = 5e-4, trust_coefficient: float = 1e-3, eps: float = 0.0,
          nesterov: bool = False, trust_clip: bool = False, adapt: bool = True,
          groups: Sequence[tuple[dict, int]] | None = None, kernel: str = "reference",
-         ratios: list | None = None, workspace=None) -> None:
+         ratios: list | None = None, workspace=None,
+         found_inf: torch.Tensor | None = None) -> None:
     """One LARS step (the module docstring's update) over tensor lists, in place.
 
     ``params`` (plain tensors or DTensors), their ``grads``, and ``states``
@@ -68,6 +69,9 @@ def lars(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     ``"triton"`` (see ``LayerwiseOptimizer``). The ratios ``local_lr / lr`` are
     appended to ``ratios`` in parameter order when it is a list. ``workspace``:
     a dict for the Triton kernel's tables, kept by the caller between steps.
+    ``found_inf``: a 0-d overflow flag (``torch.amp.GradScaler``'s): where it is
+    nonzero the step changes nothing. The Triton kernel reads it on the device; the
+    other kernels read it to the host first.
     """
     if groups is None:
         groups = [(dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
@@ -77,7 +81,9 @@ def lars(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     if kernel == "triton":
         from ._triton_steps import lars_triton
 
-        lars_triton(runs, ratios, workspace)
+        lars_triton(runs, ratios, workspace, found_inf)
+        return
+    if found_inf is not None and bool(found_inf):
         return
     if kernel not in ("reference", "per_tensor", "multi_tensor"):
         raise ValueError(f"lars: kernel={kernel!r} should be 'reference', 'per_tensor', "
@@ -173,7 +179,7 @@ class LARS(LayerwiseOptimizer):
                 return b, prev
         return self._state(w, kernel)
 
-    def _update(self, work, kernel, ratios):
+    def _update(self, work, kernel, ratios, found_inf=None):
         params = [w for _, ps in work for w in ps]
         sharded = any_dtensor(params)
         if kernel == "triton" and not sharded:  # the kernels check devices themselves
@@ -183,7 +189,7 @@ class LARS(LayerwiseOptimizer):
                       for w in params]
         lars(params, [w.grad for w in params], states,
              groups=[({**g, "adapt": self._adapts(g)}, len(ps)) for g, ps in work],
-             kernel=kernel, ratios=ratios, workspace=self._workspace)
+             kernel=kernel, ratios=ratios, workspace=self._workspace, found_inf=found_inf)
 
 
 def _with_norms_first(runs, kernel: str, ratios: list | None) -> None:

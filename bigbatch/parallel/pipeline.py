@@ -77,12 +77,15 @@ def _embed(names: tuple[str, ...], run: Callable | None, model: nn.Module,
 
 def _block(name: str, args: Callable | None, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     block = model.get_submodule(name)
-    return block(x) if args is None else block(x, *args(x))
+    extra = () if args is None else args(x)
+    out = block(x, **extra) if isinstance(extra, dict) else block(x, *extra)
+    # Older Hugging Face blocks return (hidden_states, ...): only hidden states cross stages.
+    return out[0] if isinstance(out, tuple) else out
 
 
 def decoder_layers(model: nn.Module, *, embed: str | Sequence[str], blocks: str,
                    norm: str | None = None, head: str | None = None,
-                   block_args: Callable[[torch.Tensor], tuple] | None = None,
+                   block_args: Callable[[torch.Tensor], tuple | dict] | None = None,
                    embed_run: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
                    shared: Sequence[str] = ()) -> list[Layer]:
     """The chain of a model shaped like Hugging Face's decoders: embeddings -> each block of
@@ -90,7 +93,9 @@ def decoder_layers(model: nn.Module, *, embed: str | Sequence[str], blocks: str,
 
     `block_args(x)`: what every block needs besides the hidden states ``x`` (rotary cos/sin,
     an attention mask), computed on the stage that runs the block from ``x`` alone, so
-    only hidden states cross stages; a block runs as ``block(x, *block_args(x))``.
+    only hidden states cross stages; a block runs as ``block(x, *block_args(x))``, or
+    ``block(x, **block_args(x))`` when it returns a dict (Hugging Face's keyword
+    ``position_embeddings=``). A block returning a tuple passes on its first item.
     `embed_run(model, ids)`: the embedding layer's computation when it is more than
     ``model.<embed>(ids)`` (GPT-2 adds position embeddings); `embed` then names every
     module it uses. `shared`: modules every block uses (a rotary module with buffers).

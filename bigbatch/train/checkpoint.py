@@ -21,14 +21,13 @@ import errno
 import logging
 import os
 import pickle
-import random
 import zipfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from bigbatch.engine.saving import failure_reason
 from bigbatch.errors import ConfigError
 from bigbatch.train.manifest import (  # noqa: F401 - MANIFEST_FORMAT: re-exported
     MANIFEST_FORMAT,
@@ -44,8 +43,8 @@ __all__ = ["CHECKPOINT_DIR", "CHECKPOINT_FORMAT", "MANIFEST_FORMAT", "QUIET_ENV"
            "CheckpointDamagedError", "CheckpointError", "CheckpointSaveError", "WriteError",
            "atomic_save", "check_format", "checkpoint_path", "failure_reason",
            "latest_checkpoint", "list_checkpoints", "load_checkpoint", "newest_whole",
-           "load_training_checkpoint", "manifest_path", "rng_state", "save_checkpoint",
-           "save_failure", "set_rng_state", "verify_checkpoint", "warn_damaged",
+           "load_training_checkpoint", "manifest_path", "save_checkpoint",
+           "save_failure", "verify_checkpoint", "warn_damaged",
            "write_text_atomic"]
 
 log = logging.getLogger(__name__)
@@ -78,13 +77,6 @@ class CheckpointDamagedError(OSError):
     """True when every rank raises it alike (then one of them says so)."""
 
 
-def failure_reason(e: BaseException) -> str:
-    """Why a write failed, in a few words (torch.save's RuntimeError does not say)."""
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
-
-
 def _size(n: int) -> str:
     for unit in ("bytes", "kB", "MB", "GB"):
         if n < 1000 or unit == "GB":
@@ -94,14 +86,16 @@ def _size(n: int) -> str:
 
 
 def save_failure(reason: str, directory: Path) -> str:
-    """`reason` for a failed write in `directory`, with the space left there: torch says
-    only "file write failed" for a full disk, so a nearly full one is named as such."""
+    """`reason` for a failed write in `directory`, with the space left there: torch's zip
+    writer says only "file write failed" or "unexpected pos ..." (inline_container.cc)
+    for a full disk, so a nearly full one is named as such."""
     try:
         st = os.statvfs(directory)
     except OSError:
         return reason
     free = st.f_bavail * st.f_frsize
-    if free < (1 << 20) and "No space left" not in reason and "write failed" in reason:
+    torch_says = "write failed" in reason or "inline_container" in reason
+    if free < (1 << 20) and "No space left" not in reason and torch_says:
         reason = os.strerror(errno.ENOSPC)
     return f"{reason}; {_size(free)} free in {directory}"
 
@@ -163,27 +157,6 @@ def _fsync_dir(directory: Path) -> None:
 
 CHECKPOINT_DIR = "checkpoints"
 _PREFIX, _SUFFIX = "step-", ".pt"
-
-
-def rng_state() -> dict:
-    """This process's random-number generator states: torch (CPU and CUDA), numpy, python."""
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore what `rng_state()` returned."""
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def checkpoint_path(out: str | os.PathLike, step: int) -> Path:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bigbatch.engine.saving import set_rng_state
 from bigbatch.parallel.world import World, broadcast
 from bigbatch.train import data
 from bigbatch.train.checkpoint import (
@@ -27,7 +28,6 @@ from bigbatch.train.checkpoint import (
     manifest_path,
     save_checkpoint,
     save_failure,
-    set_rng_state,
 )
 from bigbatch.train.sharded import (
     ShardedStateError,

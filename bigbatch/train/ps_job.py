@@ -28,6 +28,7 @@ import torch.distributed.rpc as rpc
 from bigbatch.config.elastic import BatchState, configured_sizes
 from bigbatch.config.sections import ParameterServerConfig
 from bigbatch.engine import prepare
+from bigbatch.engine.saving import rng_state, set_rng_state
 from bigbatch.errors import ConfigError
 from bigbatch.parallel import parameter_server as ps
 from bigbatch.parallel.world import World, barrier, init_distributed, teardown
@@ -35,8 +36,6 @@ from bigbatch.train import data
 from bigbatch.train.checkpoint import (
     CHECKPOINT_FORMAT,
     load_training_checkpoint,
-    rng_state,
-    set_rng_state,
 )
 from bigbatch.train.outdir import prepare_out
 from bigbatch.train.plan import load_task, plan_run

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from bigbatch.engine.saving import dcp_state, failure_reason, set_dcp_state
 from bigbatch.errors import ConfigError
 from bigbatch.train.manifest import digest, file_problem, shard_entries, share
 
@@ -53,21 +54,6 @@ def _single_process_ok() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def _options() -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    # Optimizer settings keyed by parameter name, not by group index: pipeline stages'
-    # groups share indices but not parameters, and DCP keeps one value per key.
-    return StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
-    return {"model": model_sd, "optimizer": optim_sd}
 
 
 class ShardedStateError(OSError):
@@ -107,21 +93,6 @@ def remove_dcp_files(folder: Path, owns: Any = None) -> list[str]:
         with contextlib.suppress(OSError):
             folder.rmdir()
     return kept
-
-
-def _first_failure(e: BaseException) -> BaseException:
-    """The underlying error of DCP's CheckpointException (the lowest failed rank's)."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        inner = failures[min(failures)]
-        return inner[0] if isinstance(inner, tuple) else inner
-    return e
-
-
-def _why(e: BaseException) -> str:
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _all(obj: Any) -> list[Any]:
@@ -171,17 +142,17 @@ def save_sharded(payload: str | os.PathLike, model: nn.Module,
                 files.add_temp_dir(tmp)  # recorded before anything is written in it
             remove_dcp_files(tmp)  # our own leftover from an interrupted save
         except OSError as e:
-            reason = _why(e)
+            reason = failure_reason(e)
     mine: dict[str, dict[str, Any]] = {}
     if _agree(reason) is None:  # (and every rank finds the folder clean)
         try:
             with _single_process_ok():
-                meta = dcp.save(_state(model, optimizer), checkpoint_id=tmp,
+                meta = dcp.save(dcp_state(model, optimizer), checkpoint_id=tmp,
                                 no_dist=not dist.is_initialized())
             names = sorted({i.relative_path for i in meta.storage_data.values()} | {_METADATA})
             mine = {name: digest(tmp / name) for name in share(names, rank, size)}
         except (CheckpointException, OSError, RuntimeError) as e:
-            reason = _why(_first_failure(e))
+            reason = failure_reason(e)
     parts = _all((mine, reason))
     reason = next((r for _, r in parts if r is not None), None)
     digests: dict[str, dict[str, Any]] = {}
@@ -190,7 +161,7 @@ def save_sharded(payload: str | os.PathLike, model: nn.Module,
         try:
             _commit(tmp, final, files)
         except OSError as e:
-            reason = _why(e)
+            reason = failure_reason(e)
     reason = _agree(reason)
     if reason is not None:
         if is_main:
@@ -228,19 +199,16 @@ def load_sharded(payload: str | os.PathLike, model: nn.Module,
     `ShardedStateError` on every rank."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    state = _state(model, optimizer)
+    state = dcp_state(model, optimizer)
     folder = sharded_dir(payload)
     try:
         with _single_process_ok():
             dcp.load(state, checkpoint_id=folder, no_dist=not dist.is_initialized())
     except (CheckpointException, OSError, RuntimeError) as e:
-        why = _why(_first_failure(e))
+        why = failure_reason(e)
         raise ShardedStateError(f"loading checkpoint {folder.name}/ failed ({why})", why,
                                 folder) from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"], options=_options())
+    set_dcp_state(model, optimizer, state)
 
 
 def sharded_problem(payload: str | os.PathLike) -> str | None:

@@ -34,6 +34,7 @@ from bigbatch.config.elastic import resume_line
 from bigbatch.config.strategy import Strategy
 from bigbatch.engine.optimizer import exclusion_summary
 from bigbatch.engine.prepare import prepare
+from bigbatch.engine.saving import rng_state
 from bigbatch.errors import PolicyStop
 from bigbatch.parallel.world import (
     World,
@@ -49,7 +50,6 @@ from bigbatch.train import data
 from bigbatch.train.checkpoint import (
     WriteError,
     load_training_checkpoint,
-    rng_state,
     write_text_atomic,
 )
 from bigbatch.train.checkpointer import Checkpointer
