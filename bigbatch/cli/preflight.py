@@ -53,7 +53,7 @@ def preflight(config, strategy, world_size: int | None, *, checks_out: bool = Tr
     from bigbatch.engine import adaptive
     from bigbatch.tasks import check_options, get_task, task_class
     from bigbatch.train.outdir import check_fresh, check_out_path
-    from bigbatch.train.plan import plan_run
+    from bigbatch.train.plan import fit_warmup, plan_run
 
     out = Path(config.out)
     if checks_out:
@@ -91,6 +91,7 @@ def preflight(config, strategy, world_size: int | None, *, checks_out: bool = Tr
     model_name = task.check_model(config.model)
     saved = ckpt.get("engine", {}).get("batch") if ckpt is not None else None
     if world_size is not None:
+        strategy = fit_warmup(config, strategy, task, world_size)[0]
         plan, _, total_steps, _ = plan_run(config, strategy, task, world_size, saved=saved)
         check(strategy, Context(run=True))  # what a run of this strategy cannot do
         adaptive.check(strategy, plan)

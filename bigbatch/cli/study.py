@@ -126,7 +126,11 @@ def config_from_args(args: argparse.Namespace) -> Any:
         unknown = set(file) - {"study", "set"}
         if unknown:
             raise ConfigError(f"--config: unknown table [{sorted(unknown)[0]}]; valid: [study], [set]")
-        task = task or file.get("study", {}).get("task")
+        written_for = file.get("study", {}).get("task")
+        if task is not None and written_for is not None and task != written_for:
+            raise ConfigError(f"--task {task}: {args.config} is a study of task {written_for!r} "
+                              f"(its study.task); drop --task, or give a study file for {task}")
+        task = task or written_for
     if args.quick:
         values.update(QUICK.get(task or "mnist1d", {}))
     study = dict(file.get("study", {}))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +115,7 @@ def under_launcher() -> bool:
 
 def resolve(args: argparse.Namespace):
     """(TrainConfig, Strategy) from the flags; on --resume, the saved run fills what is not given."""
-    from bigbatch.config.strategy import Strategy
+    from bigbatch.config.strategy import WARMUP_KEYS, Strategy
     from bigbatch.tasks import task_class
     from bigbatch.train.checkpoint import latest_checkpoint, resume_checkpoint
     from bigbatch.train.trainer import RUN_FILE, TrainConfig
@@ -139,7 +140,17 @@ def resolve(args: argparse.Namespace):
         "log_every": args.log_every, "eval_every": args.eval_every,
         "keep_checkpoints": args.keep_checkpoints, "nan_policy": args.nan_policy,
     }
-    kept = set(TrainConfig.__dataclass_fields__) - {"out", "resume", "overwrite", "progress"}
+    file = _file_keys(args.config) if args.config is not None else {}
+    if "task" in file:
+        if args.task is not None and args.task != file["task"]:
+            raise ConfigError(f"--task {args.task}: {args.config} is written for task "
+                              f"{file['task']!r} (its `task` key); drop --task, or give a "
+                              f"strategy file for {args.task}")
+        given["task"] = file["task"]
+        if args.task is None and file["task"] != TrainConfig.task and not under_launcher():
+            print(f"{args.config}: task {file['task']} (the file's `task` key)", file=sys.stderr)
+    kept = set(TrainConfig.__dataclass_fields__) - {"out", "resume", "overwrite", "progress",
+                                                    "fit_warmup"}
     fields = {k: v for k, v in saved.items() if k in kept} if isinstance(saved, dict) else {}
     if args.epochs is not None or args.steps is not None:  # a new length replaces the old one
         fields.pop("epochs", None)
@@ -147,7 +158,10 @@ def resolve(args: argparse.Namespace):
     fields.update({k: v for k, v in given.items() if v is not None})
     if args.task_options:
         fields["task_options"] = task_options(args.task_options)
-    fields.update(out=str(out), resume=resume, overwrite=overwrite, progress=not args.no_progress)
+    user_warmup = bool(file.get("warmup")) or any(
+        o.partition("=")[0].strip() in WARMUP_KEYS for o in args.overrides)
+    fields.update(out=str(out), resume=resume, overwrite=overwrite, progress=not args.no_progress,
+                  fit_warmup=not resume and not user_warmup)
     if args.no_tensorboard:
         fields["tensorboard"] = False
     config = TrainConfig(**fields)
@@ -169,6 +183,23 @@ def resolve(args: argparse.Namespace):
             f"valid: {', '.join(cls.models)}"
         )
     return config, strategy
+
+
+def _file_keys(path: str) -> dict[str, Any]:
+    """What a strategy file says besides its sections: its `task` (`FILE_KEYS`), and
+    whether it sets the warmup itself (`warmup`). An unreadable file: {} (the Strategy's
+    own reading reports it)."""
+    import tomllib
+
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return {}
+    batch = data.get("batch")
+    keys = {"warmup": isinstance(batch, dict) and bool({"warmup_steps", "warmup_epochs"} & set(batch))}
+    if isinstance(data.get("task"), str):
+        keys["task"] = data["task"]
+    return keys
 
 
 def _restarted() -> bool:

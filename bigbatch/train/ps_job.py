@@ -39,7 +39,7 @@ from bigbatch.train.checkpoint import (
     set_rng_state,
 )
 from bigbatch.train.outdir import prepare_out
-from bigbatch.train.plan import load_task, plan_run
+from bigbatch.train.plan import fit_warmup, load_task, plan_run
 from bigbatch.train.ps_driver import Driver
 from bigbatch.train.signals import Stopped
 
@@ -84,6 +84,7 @@ def train_parameter_server(config: Any, strategy: Any, world: World,
     try:
         resume_from, files = prepare_out(config, world, held)
         task = load_task(config, world)
+        strategy, warmup_note = fit_warmup(config, strategy, task, world.world_size)
         ckpt = load_training_checkpoint(resume_from) if resume_from is not None else None
         if ckpt is not None:
             check_resume(ckpt, strategy, world.world_size, resume_from.name)
