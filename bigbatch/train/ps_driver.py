@@ -251,7 +251,7 @@ def write_outputs(job: Any, summary: dict[str, Any], weights: dict[str, torch.Te
     atomic_save(weights, out / "final.pt")
     write_recorded(job.files, out / "summary.json", json.dumps(summary, indent=2) + "\n")
     writer.close()
-    bar.print(closing_line(summary))
+    bar.result(closing_line(summary))
 
 
 def summary_of(job: Any, run: Any, server: Any, driver: Any,

@@ -393,5 +393,5 @@ class _Trainer:
         if self.main:
             self._write("summary.json", json.dumps(summary, indent=2) + "\n")
             self.writer.close()
-            self.bar.print(closing_line(summary))
+            self.bar.result(closing_line(summary))
         return summary
