@@ -35,3 +35,43 @@ def test_scripts_test_help_is_its_own_short_usage():
                        text=True, timeout=30)
     assert p.returncode == 0 and p.stdout.startswith("usage: scripts/test [--slow]")
     assert len(p.stdout.splitlines()) < 20 and "pytest --help" in p.stdout
+
+
+def test_more_workers_than_cores_is_one_warning_line(tmp_path, capsys, monkeypatch, train_env):
+    """`--nproc 64` on this machine: one line after the checks, then the launch goes on (here
+    a stand-in for torchrun, which would start 64 workers)."""
+    import os
+
+    from bigbatch.cli.main import main
+
+    launched = []
+    monkeypatch.setattr("bigbatch.cli.launch.run_torchrun",
+                        lambda argv, **kw: launched.append(argv) or 0)
+    cores = len(os.sched_getaffinity(0))
+    code = main(["train", *SMALL[:-2], "--nproc", "64", "--steps", "2", "--no-progress",
+                 "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 0 and launched, err
+    assert err == (f"bigbatch train: warning: --nproc 64 starts 64 workers on {cores} CPU cores: "
+                   f"they take turns on them, and every step is slower than with --nproc "
+                   f"{cores} (--nproc auto)\n")
+
+
+def test_fp16_on_a_cpu_is_one_warning_line(tmp_path, capsys, train_env):
+    from bigbatch.cli.main import main
+
+    code = main(["train", *SMALL, "--set", "amp.dtype=float16", "--steps", "1",
+                 "--no-progress", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if "warning" in line]
+    assert warnings == ["bigbatch train: warning: amp.dtype=float16 on a CPU runs about 10x "
+                        "slower than bfloat16 (CPUs have no fast float16 kernels): --set "
+                        "amp.dtype=bfloat16"]
+
+
+def test_checkpoint_note_says_what_there_is_to_resume(tmp_path):
+    from bigbatch.train.signals import checkpoint_note
+
+    assert checkpoint_note(tmp_path) == ("no checkpoint was written: a new run starts from "
+                                         "the beginning")

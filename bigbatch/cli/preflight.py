@@ -43,6 +43,21 @@ def _check_checkpoint(config, path: Path, ckpt: dict, model, strategy) -> None:
                           f"{first}") from None
 
 
+def wasteful_settings(nproc: int, strategy, cuda: bool, devices: int) -> list[str]:
+    """Settings that run, but waste the machine: a line each, for the launcher to warn with
+    (`devices`: GPUs with `cuda`, else the CPU cores this process may use)."""
+    lines = []
+    if nproc > devices:
+        kind = "GPU(s)" if cuda else "CPU cores"
+        lines.append(f"--nproc {nproc} starts {nproc} workers on {devices} {kind}: they take "
+                     f"turns on them, and every step is slower than with --nproc {devices} "
+                     "(--nproc auto)")
+    if strategy.amp.enable and strategy.amp.dtype == "float16" and not cuda:
+        lines.append("amp.dtype=float16 on a CPU runs about 10x slower than bfloat16 (CPUs "
+                     "have no fast float16 kernels): --set amp.dtype=bfloat16")
+    return lines
+
+
 def preflight(config, strategy, world_size: int | None, *, checks_out: bool = True):
     """Every user mistake we can find before a worker starts or the output directory is
     touched: output path and lock, task and its options, model, devices, batch arithmetic

@@ -18,7 +18,7 @@ from bigbatch.cli.argtypes import nonneg_int as _nonneg_int
 from bigbatch.cli.argtypes import positive_int as _positive_int
 from bigbatch.cli.argtypes import seed as _seed
 from bigbatch.cli.argtypes import timeout as _timeout
-from bigbatch.cli.preflight import preflight
+from bigbatch.cli.preflight import preflight, wasteful_settings
 from bigbatch.errors import ConfigError
 
 __all__ = ["EXIT_USAGE", "add_train_arguments", "default_nproc", "resolve", "run_train_command"]
@@ -261,6 +261,7 @@ def _launch(args: argparse.Namespace, argv: list[str], config, strategy) -> int:
     preflight(config, strategy,
               args.nproc * int(nnodes or 1) if nnodes is None or nnodes.isdigit() else None,
               checks_out=not _multi_node(args))
+    _warn_wasteful(args.nproc, strategy)
     from bigbatch.train.checkpoint import QUIET_ENV
 
     env = {QUIET_ENV: "1"}  # preflight said which checkpoints are damaged: workers need not
@@ -274,6 +275,20 @@ def _launch(args: argparse.Namespace, argv: list[str], config, strategy) -> int:
     with hold(config.out):
         env[LOCKED_ENV] = str(Path(config.out).resolve())
         return run_torchrun(_torchrun_argv(args, argv, timeout), env=env, **run)
+
+
+def _warn_wasteful(nproc: int, strategy: Any) -> None:
+    """One line on stderr for each setting that runs but wastes this machine."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        devices = torch.cuda.device_count()
+    else:
+        devices = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+    for line in wasteful_settings(nproc, strategy, cuda, devices):
+        print(f"bigbatch train: warning: {line}", file=sys.stderr, flush=True)
 
 
 def run_train_command(args: argparse.Namespace, argv: list[str], config: Any,
@@ -297,6 +312,8 @@ def run_train_command(args: argparse.Namespace, argv: list[str], config: Any,
 
         world = World.from_env() if worker else World()
         preflight(config, strategy, world.world_size, checks_out=world.rank == 0)
+        if not worker:
+            _warn_wasteful(1, strategy)
     from bigbatch.train.trainer import train
 
     train(config, strategy)
