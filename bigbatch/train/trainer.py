@@ -177,7 +177,10 @@ class _Trainer:
                                              total_steps=self.total_steps))
             if warmup_note is not None:
                 self.bar.print(warmup_note)
-            self.bar.print(exclusion_summary(run.optimizer))
+            pipe = run.pipeline  # each stage holds a part of the model: count it whole
+            whole = {} if pipe is None else {"group": run.mesh.pp_group,
+                                             "skip": pipe.counted_elsewhere()}
+            self.bar.print(exclusion_summary(run.optimizer, **whole))
 
     def _restore(self, ckpt: dict) -> None:
         self.checkpoints.restore(ckpt, self.run, self.sampler, self.config.seed)
