@@ -86,6 +86,8 @@ class Driver:
             self.bar.print(job.strategy.overview(job.world.world_size,
                                                  steps_per_epoch=job.spe,
                                                  total_steps=job.total_steps))
+            if job.warmup_note is not None:
+                self.bar.print(job.warmup_note)
 
     def wall_time(self) -> float:
         return self.elapsed_before + time.perf_counter() - self.t_start

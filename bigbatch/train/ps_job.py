@@ -100,7 +100,7 @@ def train_parameter_server(config: Any, strategy: Any, world: World,
         ps.start_rpc(world.rank, world.world_size, cfg.servers, timeout, _rpc_init_method())
         rpc_on = True
         job = _Job(config, strategy, task, model, plan, total_steps, spe, ckpt, world)
-        job.files, job.stop = files, stop
+        job.files, job.stop, job.warmup_note = files, stop, warmup_note
         if world.rank < cfg.servers:
             result = job.serve(resume_from)
         else:
@@ -180,6 +180,8 @@ class _Job:
         self.saved = ckpt["parameter_server"] if ckpt is not None else None
         self.timeout = strategy.data_parallel.timeout_s
         self.stop: Any = None
+        self.warmup_note: str | None = None
+        """`bigbatch.train.plan.fit_warmup`'s line, shown under the overview."""
         self.resume_from: Path | None = None
         self.stopped: Stopped | None = None
         """Set when the run ended on a signal: server 0's says where it stopped; the other
