@@ -303,3 +303,14 @@ def test_baseline_is_the_recipes_optimizer_at_a_small_batch():
     assert _baseline(cells, recipe) is None
     cells += [_cell("sgd", 128, 0.99), _cell("sgd", 64, 0.98)]
     assert _baseline(cells, recipe)["global_batch_size"] == 64
+
+
+def test_default_warmup_shrinks_with_a_short_budget():
+    from bigbatch.study.rules import _warmup_epochs
+    from bigbatch.tasks.charlm import _RECIPES as LM
+
+    recipe = LM["transformer"]  # 0.25 of 4 epochs
+    assert _warmup_epochs(StudyConfig(task="charlm", epochs=4), recipe) == 0.5  # epochs / 8
+    assert _warmup_epochs(StudyConfig(task="charlm", epochs=1), recipe) == 0.125
+    assert _warmup_epochs(StudyConfig(task="charlm", epochs=0.05), recipe) == 0.05 / 8
+    assert _warmup_epochs(StudyConfig(task="charlm", epochs=1, warmup_epochs=0.5), recipe) == 0.5

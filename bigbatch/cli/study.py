@@ -89,7 +89,8 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
       "(default 0.005 accuracy, 0.02 bpc)")
     a("--micro-batch", dest="micro_batch_size", type=_positive_int, metavar="N",
       help="per-worker micro-batch; larger batches merge gradients (default 128)")
-    a("--warmup-epochs", type=_nonneg_float, help="warmup of the scaled strategies (default epochs/8)")
+    a("--warmup-epochs", type=_nonneg_float, help="warmup of the scaled strategies (default: "
+      "epochs/8, or the recipe's warmup if longer, scaled down with a shorter budget)")
     a("--evals-per-epoch", type=_positive_int, metavar="N", help="test evaluations per epoch "
       "(default 4)")
     a("--set", dest="overrides", metavar="[STRATEGY:]SECTION.KEY=VALUE", action="append",
