@@ -95,3 +95,17 @@ def test_lars_example_reaches_the_demos_accuracy(tmp_path):
                  "--no-tensorboard", "--out", str(out)], tmp_path / "cache", timeout=1200)
     assert p.returncode == 0, p.stderr[-2000:]
     assert json.loads((out / "summary.json").read_text())["test_accuracy"] >= 0.988
+
+
+def test_a_file_for_another_task_switches_to_it_in_one_line(tmp_path, capsys, train_env):
+    """No --task: the file's task is trained, and one line says so (after every check: a
+    mistake stays one line)."""
+    path = EXAMPLES / "lamb.toml"
+    out = tmp_path / "out"
+    argv = ["train", "--config", str(path), "--steps", "2", "--set", "batch.warmup_steps=1",
+            *FAST, *SMALL["charlm"], *BRIEF["charlm"], "--out", str(out)]
+    assert main(argv) == 0
+    assert f"{path}: task charlm (the file's `task` key)" in capsys.readouterr().err.splitlines()
+    assert main([*argv[:-2], "--set", "batch.base_lr=-1", "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "batch.base_lr must be > 0" in err

@@ -147,8 +147,6 @@ def resolve(args: argparse.Namespace):
                               f"{file['task']!r} (its `task` key); drop --task, or give a "
                               f"strategy file for {args.task}")
         given["task"] = file["task"]
-        if args.task is None and file["task"] != TrainConfig.task and not under_launcher():
-            print(f"{args.config}: task {file['task']} (the file's `task` key)", file=sys.stderr)
     kept = set(TrainConfig.__dataclass_fields__) - {"out", "resume", "overwrite", "progress",
                                                     "fit_warmup"}
     fields = {k: v for k, v in saved.items() if k in kept} if isinstance(saved, dict) else {}
@@ -261,7 +259,7 @@ def _launch(args: argparse.Namespace, argv: list[str], config, strategy) -> int:
     preflight(config, strategy,
               args.nproc * int(nnodes or 1) if nnodes is None or nnodes.isdigit() else None,
               checks_out=not _multi_node(args))
-    _warn_wasteful(args.nproc, strategy)
+    _notes(args, strategy)
     from bigbatch.train.checkpoint import QUIET_ENV
 
     env = {QUIET_ENV: "1"}  # preflight said which checkpoints are damaged: workers need not
@@ -277,9 +275,16 @@ def _launch(args: argparse.Namespace, argv: list[str], config, strategy) -> int:
         return run_torchrun(_torchrun_argv(args, argv, timeout), env=env, **run)
 
 
-def _warn_wasteful(nproc: int, strategy: Any) -> None:
-    """One line on stderr for each setting that runs but wastes this machine."""
+def _notes(args: argparse.Namespace, strategy: Any) -> None:
+    """After every check passed, on stderr: the task a strategy file chose, and a warning
+    line for each setting that runs but wastes this machine."""
     import torch
+
+    from bigbatch.train.config import TrainConfig
+
+    task = _file_keys(args.config).get("task") if args.config is not None else None
+    if task is not None and args.task is None and task != TrainConfig.task:
+        print(f"{args.config}: task {task} (the file's `task` key)", file=sys.stderr)
 
     cuda = torch.cuda.is_available()
     if cuda:
@@ -287,7 +292,7 @@ def _warn_wasteful(nproc: int, strategy: Any) -> None:
     else:
         devices = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
             os.cpu_count() or 1)
-    for line in wasteful_settings(nproc, strategy, cuda, devices):
+    for line in wasteful_settings(args.nproc, strategy, cuda, devices):
         print(f"bigbatch train: warning: {line}", file=sys.stderr, flush=True)
 
 
@@ -313,7 +318,7 @@ def run_train_command(args: argparse.Namespace, argv: list[str], config: Any,
         world = World.from_env() if worker else World()
         preflight(config, strategy, world.world_size, checks_out=world.rank == 0)
         if not worker:
-            _warn_wasteful(1, strategy)
+            _notes(args, strategy)
     from bigbatch.train.trainer import train
 
     train(config, strategy)
