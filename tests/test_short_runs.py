@@ -49,6 +49,8 @@ def test_a_run_as_long_as_the_recipe_keeps_the_warmup(tmp_path, capsys, train_en
         assert (note is None) == (fitted is None)
         if fitted is not None:
             assert s.batch.warmup_steps == fitted
+    s, _ = fit_warmup(TrainConfig(model="mlp", epochs=1, fit_warmup=True), demo, task, 1)
+    assert s.batch.warmup_steps == 2  # 24 x 12 / 192 = 1.5 steps: a small --epochs too
     s, note = fit_warmup(TrainConfig(model="mlp", steps=10), demo, task, 1)  # the user's
     assert s is demo and note is None
 

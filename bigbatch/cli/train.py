@@ -68,7 +68,9 @@ def add_train_arguments(t: argparse.ArgumentParser) -> None:
                    default=[], help="task option, e.g. num_samples=5000 (repeatable)")
     length = t.add_mutually_exclusive_group()
     length.add_argument("--epochs", type=_epochs, help="epochs (default: the recipe's)")
-    length.add_argument("--steps", type=_positive_int, help="optimizer steps instead of epochs")
+    length.add_argument("--steps", type=_positive_int, help="optimizer steps instead of epochs "
+                        "(a run shorter than the recipe's gets the task's default warmup "
+                        "scaled to it)")
     t.add_argument("--seed", type=_seed, help="seed of init, data order and RNGs (default 0)")
     t.add_argument("--out", help="output directory (default runs/train); one job at a time")
     again = t.add_mutually_exclusive_group()
