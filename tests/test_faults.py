@@ -217,3 +217,24 @@ def test_rendezvous_host_that_does_not_resolve(tmp_path, cache):
     assert p.returncode == 2
     assert_error_line(p.stderr, "host nosuchhost.invalid does not resolve")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_second_ctrl_c_says_which_checkpoint_there_is(cache, tmp_path):
+    """Ctrl-C twice: at once, without the stop's checkpoint; the line names the newest one
+    written (what --resume starts from). The CNN's steps are long enough (a tenth of a
+    second or more) for the second Ctrl-C to land before the stop is done; signals sent
+    before Python ran the first handler would count as one, hence the repeats."""
+    out = tmp_path / "twice"
+    slow = ["train", "--nproc", "1", *TINY, "--model", "cnn", "--set",
+            "batch.global_batch_size=256", "--steps", "300", "--checkpoint-every", "2"]
+    with _job([*slow, "--out", str(out)], cache) as proc:
+        wait_for_checkpoint(out, proc)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-3000:]
+    assert_one_line(err, "bigbatch train: interrupted; the newest checkpoint written is ")
+    named = err.strip().splitlines()[-1].split("written is ")[1].split(": continue")[0]
+    assert named.startswith(str(out / "checkpoints")) and os.path.isfile(named)
+    assert err.strip().endswith(": continue from it with --resume")

@@ -262,3 +262,50 @@ def test_sigterm_checkpoints_where_it_stops_and_resume_is_exact(tmp_path):
     resumed = [line for line in p.stderr.splitlines() if line.startswith("resuming")]
     assert resumed and resumed[0].startswith(f"resuming {cut} from step {step} "), resumed
     assert_same_weights(full, cut)
+
+
+def test_rpc_starts_without_torchs_deprecation_warning(monkeypatch):
+    """torch's TensorPipe set-up calls an object collective on a Backend (deprecated since
+    torch 2.0); `start_rpc` keeps that torch-internal warning from every rank's output."""
+    import socket
+    import warnings
+
+    from torch.distributed import rpc
+
+    from bigbatch.parallel.parameter_server import start_rpc
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            assert start_rpc(0, 1, 1, 30.0) == "ps0"
+        finally:
+            rpc.shutdown()
+    assert not [w for w in seen if "deprecated" in str(w.message)], [str(w.message) for w in seen]
+
+
+@pytest.mark.slow  # ~90 s: torchrun starts 3 processes, twice
+def test_async_steps_are_global_batches_and_resume_extends_them(tmp_path, cache, capfd,
+                                                                monkeypatch):
+    """`--steps 4` in async mode ends at step 4 (one step = one global batch applied: a
+    push from each of the 2 workers), and `--resume --steps 6` continues it to step 6."""
+    from bigbatch.cli.main import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", cache)
+    out = tmp_path / "async"
+    base = ["train", "--nproc", "3", "--set", "parameter_server.servers=1", "--set",
+            "parameter_server.mode=async", "--no-progress", "--no-tensorboard", "--task-opt",
+            "num_samples=1000", "--model", "mlp", "--set", "batch.global_batch_size=64",
+            "--set", "batch.base_batch_size=32", "--set", "batch.warmup_epochs=0", "--out",
+            str(out)]
+    assert main([*base, "--steps", "4"]) == 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
+    assert max(r["step"] for r in _lines(out, "train")) == 4
+    assert main([*base, "--resume", "--steps", "6"]) == 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == 6
+    err = capfd.readouterr().err
+    assert "resuming" in err and "deprecated" not in err

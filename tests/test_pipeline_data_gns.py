@@ -168,11 +168,20 @@ def _job_args(out, steps, *extra):
             "--set", "adaptive.noise_scale=true", *extra]
 
 
-def test_main_job_writes_the_noise_scale(tmp_path):
+def test_main_job_writes_the_noise_scale(tmp_path, capfd):
+    import re
+
     from bigbatch.cli.main import main
+    from bigbatch.tasks import get_task
 
     out = tmp_path / "run"
     assert main(_job_args(out, 4)) == 0
+    # The run's header counts the whole model, not the first stage's part of it.
+    line = next(x for x in capfd.readouterr().err.splitlines() if x.startswith("weight decay"))
+    task = get_task("charlm", **TINY)
+    model = task.build_model(task.check_model(None))
+    counted = [int(n.replace(",", "")) for n in re.findall(r"\(([\d,]+) parameters\)", line)]
+    assert sum(counted) == sum(p.numel() for p in model.parameters()), line
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     gns = [r["gns"] for r in rows if "gns" in r]
     assert gns and all(g == g for g in gns) and all(r["gns_biased"] == 0.0

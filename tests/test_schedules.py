@@ -4,7 +4,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bigbatch.config.schedules import Schedule, lr_factor, warmup_start_lr, warmup_steps_of
+from bigbatch.config.schedules import (
+    Schedule,
+    lr_factor,
+    scaled_warmup,
+    warmup_start_lr,
+    warmup_steps_of,
+)
 from bigbatch.config.strategy import Strategy
 from bigbatch.errors import ConfigError
 
@@ -126,10 +132,19 @@ def test_warmup_epochs_conversion():
     assert warmup_steps_of(0, 2.5, 4) == 10
     assert warmup_steps_of(0, 5, 312) == 1560
     assert warmup_steps_of(7, 0.0, None) == 7
-    with pytest.raises(ConfigError, match="batch.warmup_epochs=2.5 needs steps_per_epoch >= 1"):
+    with pytest.raises(ConfigError, match=r"batch.warmup_epochs=2.5 needs the optimizer steps "
+                       r"per epoch: pass prepare\(..., samples_per_epoch=len\(train_set\)\)"):
         warmup_steps_of(0, 2.5, None)
     with pytest.raises(ConfigError, match="batch.warmup_steps=3 and batch.warmup_epochs=1"):
         warmup_steps_of(3, 1, 10)
+
+
+def test_default_warmup_keeps_its_share_of_a_shorter_run():
+    assert scaled_warmup(18, 20, 144) == 2  # mnist1d's demo: 2 of 16 epochs
+    assert scaled_warmup(51, 20, 204) == 5  # charlm's demo: 1 of 4 epochs
+    assert scaled_warmup(18, 1, 144) == 1  # never below one step, never past the run
+    assert scaled_warmup(18, 144, 144) == 18 and scaled_warmup(18, 300, 144) == 18
+    assert scaled_warmup(0, 5, 144) == 0
 
 
 def test_from_strategy_linear_scaling_with_warmup_epochs():

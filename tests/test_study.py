@@ -268,3 +268,49 @@ def test_noise_curve_is_a_ratio_of_rolling_means():
     xs, ys = smoothed_noise(series)
     assert xs == [0.25, 0.5, 0.75, 1.0]
     assert ys == pytest.approx([10.0, 20.0, 50 / 3, 60 / 4])
+
+
+def test_a_grid_without_a_small_batch_cell_has_no_baseline(tmp_path, monkeypatch, capsys):
+    """sgd and lars at 256 and 512 only (the recipe's batch is 128): no cell is taken for the
+    small-batch baseline; the small budget (1 of 16 epochs, 1,000 samples) heads each verdict."""
+    monkeypatch.setattr("bigbatch.study.report.plot_all", lambda results, out: {})
+    out = tmp_path / "study"
+    code = C.main(["--task", "mnist1d", "--model", "mlp", "--task-opt", "num_samples=1000",
+                   "--epochs", "1", "--batches", "256,512", "--strategies", "sgd,lars",
+                   "--no-progress", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    assert results["baseline"] is None and results["target"] is None
+    report = (out / "report.md").read_text()
+    assert "Baseline:" not in report
+    assert ("**No small-batch baseline: the grid has no sgd cell at the recipe's batch 128 or "
+            "below") in report
+    budget = "(small budget: 1 of the recipe's 16 epochs, 1,000 of 50,000 samples)"
+    assert results["budget"] == budget[1:-1]
+    accuracy = next(line for line in report.splitlines() if "LARS/LAMB stay" in line)
+    assert accuracy.startswith(f"- **UNTESTED {budget}** — ")
+    assert "no small-batch baseline" in accuracy
+    assert all(c["final"] is not None for c in results["cells"])
+
+
+def test_baseline_is_the_recipes_optimizer_at_a_small_batch():
+    from types import SimpleNamespace
+
+    from bigbatch.study.report import _baseline
+
+    recipe = SimpleNamespace(base_batch_size=128)
+    cells = [_cell("sgd", 4096, 0.9), _cell("lars", 64, 0.95), _cell("sgd", 8192, 0.8)]
+    assert _baseline(cells, recipe) is None
+    cells += [_cell("sgd", 128, 0.99), _cell("sgd", 64, 0.98)]
+    assert _baseline(cells, recipe)["global_batch_size"] == 64
+
+
+def test_default_warmup_shrinks_with_a_short_budget():
+    from bigbatch.study.rules import _warmup_epochs
+    from bigbatch.tasks.charlm import _RECIPES as LM
+
+    recipe = LM["transformer"]  # 0.25 of 4 epochs
+    assert _warmup_epochs(StudyConfig(task="charlm", epochs=4), recipe) == 0.5  # epochs / 8
+    assert _warmup_epochs(StudyConfig(task="charlm", epochs=1), recipe) == 0.125
+    assert _warmup_epochs(StudyConfig(task="charlm", epochs=0.05), recipe) == 0.05 / 8
+    assert _warmup_epochs(StudyConfig(task="charlm", epochs=1, warmup_epochs=0.5), recipe) == 0.5

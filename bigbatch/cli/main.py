@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         from bigbatch.cli.study import run_study_command
 
         return run_study_command(args)
-    strategy = None
+    strategy = config = None
     try:
         if args.command == "monitor":
             from bigbatch.cli.monitor import run_monitor_command
@@ -181,6 +181,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{e.strerror}: {e.filename}" if e.filename else e.strerror)
         print(f"bigbatch {args.command}: error: {text}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"bigbatch {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # a second Ctrl-C: at once, without the stop's checkpoint
+        if os.environ.get("RANK", "0") != "0":
+            return 130
+        line = "interrupted"
+        if config is not None:
+            from bigbatch.train.signals import checkpoint_note
+
+            line += f"; {checkpoint_note(config.out)}"
+        print(f"bigbatch {args.command}: {line}", file=sys.stderr)
         return 130

@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from bigbatch.cli.argtypes import positive_float
 from bigbatch.errors import ConfigError
@@ -25,18 +26,47 @@ def add_monitor_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--once", action="store_true", help="print the view once and exit")
     p.add_argument("--interval", type=positive_float, default=2.0, metavar="S",
                    help="seconds between refreshes of a running job (default 2)")
+    p.add_argument("--wait", type=positive_float, default=WAIT_S, metavar="S",
+                   help="seconds to wait for a run that is starting to write its first "
+                   f"metrics (default {WAIT_S:g})")
+
+
+WAIT_S = 60.0
+"""How long `monitor` waits, by default, for a starting run's metrics.jsonl: a run writes it
+once its data, model and first checks are ready (seconds; longer for a large data set)."""
+
+
+def _wait_for_run(out: Path, seconds: float, poll: float = 0.5) -> Any:
+    """The run's view once `out` holds metrics (or a summary); waits up to `seconds` for a
+    run that is starting, saying so once on stderr. ConfigError when none appears."""
+    from bigbatch.train.monitor import read_run
+
+    view = read_run(out) if out.is_dir() else None
+    if view is not None and (view.updated is not None or view.summary is not None):
+        return view
+    print(f"bigbatch monitor: waiting up to {seconds:g} s for a run to start writing "
+          f"{out / 'metrics.jsonl'}", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
+        if out.is_dir():
+            view = read_run(out)
+            if view.updated is not None or view.summary is not None:
+                return view
+    if not out.is_dir():
+        raise ConfigError(f"{out} is not a directory (no run started there within "
+                          f"{seconds:g} s)")
+    raise ConfigError(f"{out} has no metrics.jsonl after {seconds:g} s (is it a `bigbatch "
+                      "train` --out directory? --wait S waits longer)")
 
 
 def run_monitor_command(args: argparse.Namespace) -> int:
     from bigbatch.train.monitor import read_run, render
 
     out = Path(args.out)
-    if not out.is_dir():
+    if out.exists() and not out.is_dir():
         raise ConfigError(f"{out} is not a directory")
-    view = read_run(out)
-    if view.updated is None and view.summary is None:
-        raise ConfigError(f"{out} has no metrics.jsonl (is it a `bigbatch train` "
-                          "--out directory?)")
+    view = _wait_for_run(out, args.wait)
     if args.png:
         from bigbatch.train.monitor_figure import write_figure
 

@@ -43,6 +43,21 @@ def _check_checkpoint(config, path: Path, ckpt: dict, model, strategy) -> None:
                           f"{first}") from None
 
 
+def wasteful_settings(nproc: int, strategy, cuda: bool, devices: int) -> list[str]:
+    """Settings that run, but waste the machine: a line each, for the launcher to warn with
+    (`devices`: GPUs with `cuda`, else the CPU cores this process may use)."""
+    lines = []
+    if nproc > devices:
+        kind = "GPU(s)" if cuda else "CPU cores"
+        lines.append(f"--nproc {nproc} starts {nproc} workers on {devices} {kind}: they take "
+                     f"turns on them, and every step is slower than with --nproc {devices} "
+                     "(--nproc auto)")
+    if strategy.amp.enable and strategy.amp.dtype == "float16" and not cuda:
+        lines.append("amp.dtype=float16 on a CPU runs about 10x slower than bfloat16 (CPUs "
+                     "have no fast float16 kernels): --set amp.dtype=bfloat16")
+    return lines
+
+
 def preflight(config, strategy, world_size: int | None, *, checks_out: bool = True):
     """Every user mistake we can find before a worker starts or the output directory is
     touched: output path and lock, task and its options, model, devices, batch arithmetic
@@ -53,7 +68,7 @@ def preflight(config, strategy, world_size: int | None, *, checks_out: bool = Tr
     from bigbatch.engine import adaptive
     from bigbatch.tasks import check_options, get_task, task_class
     from bigbatch.train.outdir import check_fresh, check_out_path
-    from bigbatch.train.plan import plan_run
+    from bigbatch.train.plan import fit_warmup, plan_run
 
     out = Path(config.out)
     if checks_out:
@@ -91,6 +106,7 @@ def preflight(config, strategy, world_size: int | None, *, checks_out: bool = Tr
     model_name = task.check_model(config.model)
     saved = ckpt.get("engine", {}).get("batch") if ckpt is not None else None
     if world_size is not None:
+        strategy = fit_warmup(config, strategy, task, world_size)[0]
         plan, _, total_steps, _ = plan_run(config, strategy, task, world_size, saved=saved)
         check(strategy, Context(run=True))  # what a run of this strategy cannot do
         adaptive.check(strategy, plan)

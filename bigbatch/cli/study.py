@@ -89,7 +89,8 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
       "(default 0.005 accuracy, 0.02 bpc)")
     a("--micro-batch", dest="micro_batch_size", type=_positive_int, metavar="N",
       help="per-worker micro-batch; larger batches merge gradients (default 128)")
-    a("--warmup-epochs", type=_nonneg_float, help="warmup of the scaled strategies (default epochs/8)")
+    a("--warmup-epochs", type=_nonneg_float, help="warmup of the scaled strategies (default: "
+      "epochs/8, or the recipe's warmup if longer, scaled down with a shorter budget)")
     a("--evals-per-epoch", type=_positive_int, metavar="N", help="test evaluations per epoch "
       "(default 4)")
     a("--set", dest="overrides", metavar="[STRATEGY:]SECTION.KEY=VALUE", action="append",
@@ -126,7 +127,11 @@ def config_from_args(args: argparse.Namespace) -> Any:
         unknown = set(file) - {"study", "set"}
         if unknown:
             raise ConfigError(f"--config: unknown table [{sorted(unknown)[0]}]; valid: [study], [set]")
-        task = task or file.get("study", {}).get("task")
+        written_for = file.get("study", {}).get("task")
+        if task is not None and written_for is not None and task != written_for:
+            raise ConfigError(f"--task {task}: {args.config} is a study of task {written_for!r} "
+                              f"(its study.task); drop --task, or give a study file for {task}")
+        task = task or written_for
     if args.quick:
         values.update(QUICK.get(task or "mnist1d", {}))
     study = dict(file.get("study", {}))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from bigbatch.cli.argtypes import nonneg_int as _nonneg_int
 from bigbatch.cli.argtypes import positive_int as _positive_int
 from bigbatch.cli.argtypes import seed as _seed
 from bigbatch.cli.argtypes import timeout as _timeout
-from bigbatch.cli.preflight import preflight
+from bigbatch.cli.preflight import preflight, wasteful_settings
 from bigbatch.errors import ConfigError
 
 __all__ = ["EXIT_USAGE", "add_train_arguments", "default_nproc", "resolve", "run_train_command"]
@@ -67,7 +68,9 @@ def add_train_arguments(t: argparse.ArgumentParser) -> None:
                    default=[], help="task option, e.g. num_samples=5000 (repeatable)")
     length = t.add_mutually_exclusive_group()
     length.add_argument("--epochs", type=_epochs, help="epochs (default: the recipe's)")
-    length.add_argument("--steps", type=_positive_int, help="optimizer steps instead of epochs")
+    length.add_argument("--steps", type=_positive_int, help="optimizer steps instead of epochs "
+                        "(a run shorter than the recipe's gets the task's default warmup "
+                        "scaled to it)")
     t.add_argument("--seed", type=_seed, help="seed of init, data order and RNGs (default 0)")
     t.add_argument("--out", help="output directory (default runs/train); one job at a time")
     again = t.add_mutually_exclusive_group()
@@ -114,7 +117,7 @@ def under_launcher() -> bool:
 
 def resolve(args: argparse.Namespace):
     """(TrainConfig, Strategy) from the flags; on --resume, the saved run fills what is not given."""
-    from bigbatch.config.strategy import Strategy
+    from bigbatch.config.strategy import WARMUP_KEYS, Strategy
     from bigbatch.tasks import task_class
     from bigbatch.train.checkpoint import latest_checkpoint, resume_checkpoint
     from bigbatch.train.trainer import RUN_FILE, TrainConfig
@@ -139,7 +142,15 @@ def resolve(args: argparse.Namespace):
         "log_every": args.log_every, "eval_every": args.eval_every,
         "keep_checkpoints": args.keep_checkpoints, "nan_policy": args.nan_policy,
     }
-    kept = set(TrainConfig.__dataclass_fields__) - {"out", "resume", "overwrite", "progress"}
+    file = _file_keys(args.config) if args.config is not None else {}
+    if "task" in file:
+        if args.task is not None and args.task != file["task"]:
+            raise ConfigError(f"--task {args.task}: {args.config} is written for task "
+                              f"{file['task']!r} (its `task` key); drop --task, or give a "
+                              f"strategy file for {args.task}")
+        given["task"] = file["task"]
+    kept = set(TrainConfig.__dataclass_fields__) - {"out", "resume", "overwrite", "progress",
+                                                    "fit_warmup"}
     fields = {k: v for k, v in saved.items() if k in kept} if isinstance(saved, dict) else {}
     if args.epochs is not None or args.steps is not None:  # a new length replaces the old one
         fields.pop("epochs", None)
@@ -147,7 +158,10 @@ def resolve(args: argparse.Namespace):
     fields.update({k: v for k, v in given.items() if v is not None})
     if args.task_options:
         fields["task_options"] = task_options(args.task_options)
-    fields.update(out=str(out), resume=resume, overwrite=overwrite, progress=not args.no_progress)
+    user_warmup = bool(file.get("warmup")) or any(
+        o.partition("=")[0].strip() in WARMUP_KEYS for o in args.overrides)
+    fields.update(out=str(out), resume=resume, overwrite=overwrite, progress=not args.no_progress,
+                  fit_warmup=not resume and not user_warmup)
     if args.no_tensorboard:
         fields["tensorboard"] = False
     config = TrainConfig(**fields)
@@ -169,6 +183,23 @@ def resolve(args: argparse.Namespace):
             f"valid: {', '.join(cls.models)}"
         )
     return config, strategy
+
+
+def _file_keys(path: str) -> dict[str, Any]:
+    """What a strategy file says besides its sections: its `task` (`FILE_KEYS`), and
+    whether it sets the warmup itself (`warmup`). An unreadable file: {} (the Strategy's
+    own reading reports it)."""
+    import tomllib
+
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return {}
+    batch = data.get("batch")
+    keys = {"warmup": isinstance(batch, dict) and bool({"warmup_steps", "warmup_epochs"} & set(batch))}
+    if isinstance(data.get("task"), str):
+        keys["task"] = data["task"]
+    return keys
 
 
 def _restarted() -> bool:
@@ -230,6 +261,7 @@ def _launch(args: argparse.Namespace, argv: list[str], config, strategy) -> int:
     preflight(config, strategy,
               args.nproc * int(nnodes or 1) if nnodes is None or nnodes.isdigit() else None,
               checks_out=not _multi_node(args))
+    _notes(args, strategy)
     from bigbatch.train.checkpoint import QUIET_ENV
 
     env = {QUIET_ENV: "1"}  # preflight said which checkpoints are damaged: workers need not
@@ -243,6 +275,27 @@ def _launch(args: argparse.Namespace, argv: list[str], config, strategy) -> int:
     with hold(config.out):
         env[LOCKED_ENV] = str(Path(config.out).resolve())
         return run_torchrun(_torchrun_argv(args, argv, timeout), env=env, **run)
+
+
+def _notes(args: argparse.Namespace, strategy: Any) -> None:
+    """After every check passed, on stderr: the task a strategy file chose, and a warning
+    line for each setting that runs but wastes this machine."""
+    import torch
+
+    from bigbatch.train.config import TrainConfig
+
+    task = _file_keys(args.config).get("task") if args.config is not None else None
+    if task is not None and args.task is None and task != TrainConfig.task:
+        print(f"{args.config}: task {task} (the file's `task` key)", file=sys.stderr)
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        devices = torch.cuda.device_count()
+    else:
+        devices = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+    for line in wasteful_settings(args.nproc, strategy, cuda, devices):
+        print(f"bigbatch train: warning: {line}", file=sys.stderr, flush=True)
 
 
 def run_train_command(args: argparse.Namespace, argv: list[str], config: Any,
@@ -266,6 +319,8 @@ def run_train_command(args: argparse.Namespace, argv: list[str], config: Any,
 
         world = World.from_env() if worker else World()
         preflight(config, strategy, world.world_size, checks_out=world.rank == 0)
+        if not worker:
+            _notes(args, strategy)
     from bigbatch.train.trainer import train
 
     train(config, strategy)

@@ -137,6 +137,13 @@ class Schedule:
         """
         b = strategy.batch
         warmup = warmup_steps_of(b.warmup_steps, b.warmup_epochs, steps_per_epoch)
+        if total_steps >= 1 and warmup > total_steps:
+            key, value = (("batch.warmup_epochs", f"{b.warmup_epochs:g}") if b.warmup_epochs
+                          else ("batch.warmup_steps", str(b.warmup_steps)))
+            steps = f" ({warmup} steps)" if b.warmup_epochs else ""
+            raise ConfigError(
+                f"{key}={value}{steps} is longer than the run's {total_steps} steps; lower "
+                f"{key} (e.g. --set {key}=...) or train longer")
         return cls(
             peak_lr=plan.peak_lr,
             total_steps=total_steps,
@@ -210,7 +217,21 @@ def warmup_steps_of(warmup_steps: int, warmup_epochs: float, steps_per_epoch: in
         return int(warmup_steps)
     if steps_per_epoch is None or steps_per_epoch < 1:
         raise ConfigError(
-            f"batch.warmup_epochs={warmup_epochs} needs steps_per_epoch >= 1 "
-            f"(optimizer steps per epoch), got {steps_per_epoch}"
+            f"batch.warmup_epochs={warmup_epochs:g} needs the optimizer steps per epoch: pass "
+            "prepare(..., samples_per_epoch=len(train_set)) or steps_per_epoch=N, or set "
+            "batch.warmup_steps instead"
         )
     return round(warmup_epochs * steps_per_epoch)
+
+
+def scaled_warmup(warmup_steps: int, run_steps: int, recipe_steps: int) -> int:
+    """A default warmup fitted to a run shorter than the recipe's: it keeps its share.
+
+    The task's demo schedule was chosen as a whole (mnist1d: 2 of 16 epochs of warmup,
+    charlm: 1 of 4), so a short try gets the same LR curve compressed into its steps:
+    ``round(warmup_steps x run_steps / recipe_steps)``, at least 1. A run as long as the
+    recipe's or longer keeps the warmup as it is.
+    """
+    if warmup_steps <= 0 or run_steps >= recipe_steps:
+        return warmup_steps
+    return max(1, min(run_steps, round(warmup_steps * run_steps / recipe_steps)))

@@ -80,6 +80,13 @@ __all__ = [
 ]
 
 
+WARMUP_KEYS = ("batch.warmup_steps", "batch.warmup_epochs")
+
+FILE_KEYS = {"task": "the built-in task the file was written for, e.g. task = \"charlm\""}
+"""Top-level keys a strategy file may hold besides its sections: what `bigbatch train`
+reads from the file (`bigbatch.cli.train`); the Strategy itself ignores them."""
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """Batch arithmetic and peak LR resolved for one world size."""
@@ -161,6 +168,11 @@ class Strategy:
             raise ConfigError(f"a strategy must be a table of sections, got {type(d).__name__}")
         sections = {}
         for name, body in d.items():
+            if name in FILE_KEYS:
+                if not isinstance(body, str):
+                    raise ConfigError(f"`{name}` must be a string ({FILE_KEYS[name]}), "
+                                      f"got {body!r}")
+                continue
             if name not in SECTIONS:
                 raise ConfigError(unknown_section_message(name, isinstance(body, Mapping)))
             if not isinstance(body, Mapping):
@@ -205,10 +217,11 @@ class Strategy:
         ``"x"``); a bare word is a string (``amp.dtype=bfloat16``) and ``none``
         unsets an optional key. As writing a key in a TOML section would, setting
         a key of a switchable section turns that section on unless the same
-        overrides also set its ``enable``.
+        overrides also set its ``enable``. Setting one of ``batch.warmup_steps`` and
+        ``batch.warmup_epochs`` unsets the other (unless the same overrides set both).
         """
         d = self.to_dict()
-        touched, enables = set(), set()
+        touched, enables, keys = set(), set(), set()
         for item in overrides:
             key, eq, raw = item.partition("=")
             section, dot, name = key.strip().partition(".")
@@ -224,8 +237,12 @@ class Strategy:
             else:
                 d[section][name] = value
             touched.add(section)
+            keys.add(f"{section}.{name}")
             if name == "enable":
                 enables.add(section)
+        for one, other in (WARMUP_KEYS, WARMUP_KEYS[::-1]):  # a warmup replaces the other kind
+            if one in keys and other not in keys:
+                d["batch"][other.partition(".")[2]] = type(getattr(BatchConfig(), other[6:]))(0)
         for section in touched - enables:
             if "enable" in KEYS[section]:
                 d[section]["enable"] = True

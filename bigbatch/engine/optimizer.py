@@ -70,15 +70,28 @@ def exclusion_groups(model: nn.Module, weight_decay: float, exclude: tuple[str, 
     return param_groups(named, weight_decay, exclude)
 
 
-def exclusion_summary(optimizer: torch.optim.Optimizer) -> str:
+def exclusion_summary(optimizer: torch.optim.Optimizer, group: Any = None,
+                      skip: set[int] = frozenset()) -> str:
     """One line: how many tensors and parameters get weight decay (and a trust ratio) and
-    how many are excluded, from the optimizer's param groups."""
+    how many are excluded, from the optimizer's param groups. `group`: the pipeline's process
+    group, whose stages each hold a part of the model (collective: every stage calls it);
+    `skip`: ids of parameters another stage counts (a tied weight's copies)."""
     counts = {True: [0, 0], False: [0, 0]}
-    for group in optimizer.param_groups:
-        kept = group.get("layer_adaptation", True)  # `exclusion_groups` marks the excluded
-        for p in group["params"]:
+    for g in optimizer.param_groups:
+        kept = g.get("layer_adaptation", True)  # `exclusion_groups` marks the excluded
+        for p in g["params"]:
+            if id(p) in skip:
+                continue
             counts[bool(kept)][0] += 1
             counts[bool(kept)][1] += p.numel()
+    if group is not None:  # the whole model: every stage's tensors
+        import torch.distributed as dist
+
+        total = torch.tensor([*counts[True], *counts[False]], dtype=torch.int64)
+        if dist.get_backend(group) == "nccl":
+            total = total.cuda()
+        dist.all_reduce(total, group=group)
+        counts = {True: total[:2].tolist(), False: total[2:].tolist()}
     (dt, dp), (et, ep) = counts[True], counts[False]
     return (f"weight decay / trust ratio on {dt} tensors ({dp:,} parameters); excluded: "
             f"{et} tensors ({ep:,} parameters)")

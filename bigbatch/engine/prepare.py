@@ -36,11 +36,14 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
             local_grad_norm: bool | None = None, plan: Any = None,
             tp_plan: Any = None, pipeline_layers: Any = None,
             optimizer: torch.optim.Optimizer | None = None,
-            policies: list[Any] | None = None, model_plan: Any = None) -> Run:
+            policies: list[Any] | None = None, model_plan: Any = None,
+            samples_per_epoch: int | None = None) -> Run:
     """Apply `strategy` to `model` and return the `Run` that drives the training loop.
 
     `total_steps` and `steps_per_epoch` count optimizer steps (one per global
-    batch); `steps_per_epoch` is needed only for `batch.warmup_epochs`. `world`
+    batch); `steps_per_epoch` is needed only for `batch.warmup_epochs`:
+    `samples_per_epoch=len(train_set)` gives it from the data set (global batches per
+    epoch, as `bigbatch.engine.schedule_steps` counts them). `world`
     defaults to `World.from_env()`; with more than one worker the process group
     is created from `data_parallel` unless one exists. `track_stats` records the
     grad norm and trust ratios for `run.stats`. `local_grad_norm` measures each
@@ -92,6 +95,9 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
     deg = degrees(strategy, world.world_size)
     if plan is None:
         plan = strategy.resolve(deg.data)
+    if steps_per_epoch is None and samples_per_epoch is not None:
+        steps_per_epoch = _adaptive.schedule_steps(strategy, deg.data, samples_per_epoch, 1.0,
+                                                   _adaptive.unit_of(strategy, plan))[1]
     schedule = Schedule.from_strategy(strategy, plan, total_steps, steps_per_epoch)
     dp = strategy.data_parallel
     check_reduce(getattr(dp, "reduce", "mean"))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -62,7 +63,13 @@ def start_rpc(rank: int, world_size: int, servers: int, timeout_s: float,
     options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=timeout_s)
     if init_method is not None:
         options.init_method = init_method
-    rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
+    with warnings.catch_warnings():
+        # TensorPipe's static-group set-up (torch 2.13, rpc/backend_registry.py) exchanges
+        # device maps over a ProcessGroupGloo it builds itself, which c10d's object
+        # collectives call a deprecated "Backend as a ProcessGroup": torch's own use, once
+        # per rank, with no public alternative but dynamic membership (other shutdown rules).
+        warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")
+        rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
     return name
 
 

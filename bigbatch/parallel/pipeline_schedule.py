@@ -153,6 +153,12 @@ class PipelineRunner:
         """PipeDream: the stages update per micro-batch themselves (no engine step)."""
         return self.config.schedule_mode == "PipeDream"
 
+    def counted_elsewhere(self) -> set[int]:
+        """ids of this rank's parameters that a whole-model count takes on another rank:
+        weights tied across stages count on their first holder only."""
+        others = {name for name, _ in self.tied} - self.tied_counted
+        return {id(p) for name, p in self.module.named_parameters() if name in others}
+
     def grad_sq_norm(self) -> torch.Tensor:
         """|g|^2 of the whole model's gradient, as a 0-d tensor (no host sync): this rank's
         stages (sharded gradients taken whole), summed over the pipeline in one all-reduce;

@@ -44,7 +44,8 @@ class StudyConfig:
     micro_batch_size: int = field(default=128, metadata=COUNT_RULE)
     """Per-worker micro-batch (gradient merge above it); also the noise scale's small batch."""
     warmup_epochs: float | None = field(default=None, metadata={"ge": 0, "le": MAX_EPOCHS})
-    """Warmup of the scaled strategies; None: max(recipe's, epochs / 8)."""
+    """Warmup of the scaled strategies; None: max(the recipe's, scaled down with a budget
+    shorter than the recipe's epochs, epochs / 8)."""
     evals_per_epoch: int = field(default=4, metadata={"ge": 1, "le": 10_000})
     """Test evaluations per epoch (steps-to-target are interpolated between them)."""
     overrides: dict[str, list[str]] = field(default_factory=dict)

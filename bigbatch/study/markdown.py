@@ -75,6 +75,8 @@ def markdown(results: dict[str, Any], figures: dict[str, str]) -> str:
                      f"{fmt_metric(base['final'], m)}. Target: {fmt_metric(results['target'], m)}"
                      f"{'' if c['target'] is not None else ' (baseline ' + ('- 1 point' if m == 'accuracy' else '+ 0.05') + ')'}"
                      f"; tolerance for keeping accuracy: {results['tolerance']:g}.")
+    elif results.get("no_baseline"):
+        lines.append(f"**{results['no_baseline']}**")
     lines += ["", table(results), "",
               "Steps to target are interpolated linearly between the two test evaluations "
               "around the first crossing. Noise scale: B_simple = tr(Sigma)/|G|^2 (McCandlish et "
@@ -94,7 +96,9 @@ def markdown(results: dict[str, Any], figures: dict[str, str]) -> str:
                          f"{fit['s_min']:.0f}, B_noise = {fit['b_noise']:.0f}.")
     lines.append("")
     for claim in results["claims"]:
-        lines += [f"- **{claim['verdict'].upper()}** — {claim['claim']}: {claim['why']}."]
+        budget = results.get("budget")
+        verdict = claim["verdict"].upper() + (f" ({budget})" if budget else "")
+        lines += [f"- **{verdict}** — {claim['claim']}: {claim['why']}."]
         for r in claim.get("rows", []):
             lines.append(f"  - batch {r['global_batch_size']}: sgd {_signed(-r['sgd_loss'], m)}, "
                          f"{r['layerwise']} {_signed(-r['layerwise_loss'], m)} vs baseline")

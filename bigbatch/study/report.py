@@ -138,15 +138,33 @@ def _cell_record(cell: Any, state: dict[str, Any], metric: str) -> dict[str, Any
 
 
 def _baseline(cells: list[dict[str, Any]], recipe: Any) -> dict[str, Any] | None:
-    done = [c for c in cells if c.get("final") is not None]
-    if not done:
-        return None
-    sgd = [c for c in done if c["strategy"] == "sgd"]
-    at_base = [c for c in sgd if c["global_batch_size"] == recipe.base_batch_size]
-    if at_base:
-        return at_base[0]
-    pool = sgd or done
-    return min(pool, key=lambda c: c["global_batch_size"])
+    """The small-batch baseline: the recipe's optimizer (`sgd`) at the recipe's batch or
+    below (the smallest such cell); None when the grid has no such cell. A large-batch cell
+    is never taken for it: every "vs baseline" would then compare large with large."""
+    small = [c for c in cells if c.get("final") is not None and c["strategy"] == "sgd"
+             and c["global_batch_size"] <= recipe.base_batch_size]
+    return min(small, key=lambda c: c["global_batch_size"]) if small else None
+
+
+def no_baseline_line(recipe: Any) -> str:
+    """What the report says in place of the baseline when the grid has none."""
+    b = recipe.base_batch_size
+    return (f"No small-batch baseline: the grid has no sgd cell at the recipe's batch {b} or "
+            f"below, so nothing is compared with one (add it, e.g. --strategies sgd,... "
+            f"--batches {b},...).")
+
+
+def budget_note(c: Any, recipe: Any, default_samples: int | None) -> str | None:
+    """"small budget: ..." when the cells train less than the recipe does (fewer epochs, or
+    fewer samples than the task's default), else None: a verdict then says why it may
+    differ from a full study's."""
+    parts = []
+    if c.epochs < recipe.epochs:
+        parts.append(f"{c.epochs:g} of the recipe's {recipe.epochs:g} epochs")
+    n = c.task_options.get("num_samples")
+    if n is not None and default_samples is not None and n < default_samples:
+        parts.append(f"{n:,} of {default_samples:,} samples")
+    return "small budget: " + ", ".join(parts) if parts else None
 
 
 HEALTHY = 4.0
@@ -183,7 +201,10 @@ def _claim_accuracy(cells, base, tol, higher) -> dict[str, Any]:
     layerwise = [s for s in ("lars", "lamb") if any(k[0] == s for k in by)]
     claim = {"claim": "At a batch where SGD with linear scaling loses accuracy, LARS/LAMB stay "
              f"within {tol:g} of the small-batch baseline in the same epochs", "rows": []}
-    if base is None or not layerwise or not any(k[0] == "sgd" for k in by):
+    if base is None:
+        return {**claim, "verdict": "untested",
+                "why": "no small-batch baseline (an sgd cell at the recipe's batch or below)"}
+    if not layerwise or not any(k[0] == "sgd" for k in by):
         return {**claim, "verdict": "untested", "why": "needs sgd and lars or lamb cells"}
     held, failed = [], []
     for (name, batch), c in sorted(by.items(), key=lambda kv: kv[0][1]):
@@ -307,12 +328,22 @@ def collect(c: Any, task: Any, recipe: Any, cells: list[Any], status: dict[str, 
                      for s in c.strategies},
         "baseline": None if base is None else {"strategy": base["strategy"], "final": base["final"],
                                                "global_batch_size": base["global_batch_size"]},
+        "no_baseline": no_baseline_line(recipe) if base is None else None,
+        "budget": budget_note(c, recipe, _default_samples(task)),
         "target": target, "tolerance": tol,
         "critical_batch": b_crit, "critical_batch_from": b_from,
         "fits": fits, "cells": records,
         "claims": [_claim_accuracy(records, base, tol, higher), _claim_scaling(records, b_crit)],
         "total_wall_s": sum(r.get("wall_time_s") or 0.0 for r in records),
     }
+
+
+def _default_samples(task: Any) -> int | None:
+    """The task's default `num_samples` (None: it has no such option)."""
+    import inspect
+
+    p = inspect.signature(type(task).__init__).parameters.get("num_samples")
+    return p.default if p is not None and isinstance(p.default, int) else None
 
 
 def _rule(name: str) -> str:

@@ -39,7 +39,10 @@ LAMB_DEFAULT = {"base_lr": 0.01, "weight_decay": 0.01}
 def _warmup_epochs(c: Grid, recipe: Any) -> float:
     if c.warmup_epochs is not None:
         return c.warmup_epochs
-    return max(recipe.warmup_epochs, (c.epochs or recipe.epochs) / 8)
+    epochs = c.epochs or recipe.epochs
+    # The recipe's warmup keeps its share of a budget shorter than the recipe's (as
+    # `bigbatch train --steps` does), so that a short study's warmup fits its cells.
+    return max(recipe.warmup_epochs * min(1.0, epochs / recipe.epochs), epochs / 8)
 
 
 def cell_strategy(c: Grid, recipe: Any, name: str, batch: int) -> Any:

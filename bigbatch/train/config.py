@@ -60,6 +60,11 @@ class TrainConfig:
     """Write TensorBoard event files; None: when tensorboard is importable."""
     eval_batch_size: int = 1024
     """Per-worker batch size of evaluation."""
+    fit_warmup: bool = False
+    """The strategy's warmup is a default (the task demo's), not the user's: in a run
+    shorter than the task recipe's it is scaled to the run (`bigbatch.train.plan.fit_warmup`)
+    instead of refused. `bigbatch train` sets it when neither the config file nor `--set`
+    names `batch.warmup_steps` / `batch.warmup_epochs`."""
     nan_policy: str = "stop"
     """A non-finite loss without an fp16 loss scaler: `stop` ends the run with an error
     naming the step (`NonFiniteLossError`, exit 1), keeping the last good checkpoint; `skip`

@@ -104,9 +104,16 @@ def read_run(out: str | Path) -> RunView:
     return view
 
 
-def sparkline(values: list[float], width: int = 32) -> str:
-    """The last `width` values as block characters, scaled between their min and max."""
+TREND = 32
+"""Logged steps a trend (sparkline) shows: the latest ones."""
+
+
+def sparkline(values: list[float], width: int = TREND, log: bool = False) -> str:
+    """The last `width` values as block characters, scaled between their min and max (of
+    their logarithms with `log`, when all are positive)."""
     vals = values[-width:]
+    if log and vals and min(vals) > 0:
+        vals = [math.log(v) for v in vals]
     if not vals:
         return ""
     lo, hi = min(vals), max(vals)
@@ -127,7 +134,8 @@ def _metrics_table(view: RunView) -> Any:
 
     table = Table(title="training", title_justify="left", expand=False)
     for col, justify in (("", "left"), ("latest", "right"), ("min", "right"),
-                         ("max", "right"), ("trend", "left")):
+                         ("max", "right"),
+                         (f"trend, last {TREND} logged steps (loss: log scale)", "left")):
         table.add_column(col, justify=justify)
     rows = [("loss", view.series("loss")), ("lr", view.series("lr")),
             ("global batch", view.series("global_batch_size")),
@@ -136,7 +144,8 @@ def _metrics_table(view: RunView) -> Any:
             ("samples/s", view.series("samples_per_s"))]
     for name, (_, ys) in rows:
         if ys:
-            table.add_row(name, _fmt(ys[-1]), _fmt(min(ys)), _fmt(max(ys)), sparkline(ys))
+            table.add_row(name, _fmt(ys[-1]), _fmt(min(ys)), _fmt(max(ys)),
+                          sparkline(ys, log=name == "loss"))
         else:
             table.add_row(name, "-", "-", "-", "[dim]not recorded[/dim]")
     for r in view.evals[-1:]:

@@ -10,6 +10,8 @@ from bigbatch.train.monitor import RunView
 __all__ = ["FIGURE_FILE", "write_figure"]
 
 FIGURE_FILE = "monitor.png"
+LOG_SCALE = ("loss", "gns", "spread")
+"""Panels on a log scale (when every value is positive): a loss falls over decades."""
 
 
 def write_figure(view: RunView, path: Path | None = None) -> Path:
@@ -38,7 +40,7 @@ def write_figure(view: RunView, path: Path | None = None) -> Path:
                 if ev:
                     ax.plot(*zip(*ev, strict=True), "o-", ms=3, label="test")
                     ax.legend()
-            if key in ("gns", "spread") and min(ys) > 0:
+            if key in LOG_SCALE and min(ys) > 0:
                 ax.set_yscale("log")
         else:
             ax.text(0.5, 0.5, "not recorded", ha="center", va="center",

@@ -15,7 +15,7 @@ from bigbatch.tasks import Task, get_task
 from bigbatch.tasks.sampler import GlobalBatchSampler
 from bigbatch.train.config import TrainConfig
 
-__all__ = ["load_task", "plan_run"]
+__all__ = ["fit_warmup", "load_task", "plan_run"]
 
 
 def load_task(config: TrainConfig, world: World) -> Task:
@@ -26,6 +26,33 @@ def load_task(config: TrainConfig, world: World) -> Task:
     if world.rank != 0:
         task = get_task(config.task, **config.task_options)
     return task
+
+
+def fit_warmup(config: TrainConfig, strategy: Strategy, task: Task,
+               world_size: int) -> tuple[Strategy, str | None]:
+    """(the strategy to run, a one-line note or None): with `config.fit_warmup` (the warmup
+    is the task demo's, not the user's), a run shorter than the recipe's gets the warmup
+    scaled to it (`bigbatch.config.schedules.scaled_warmup`), written as `batch.warmup_steps`
+    so that `strategy.toml` and a resume keep it. Otherwise the strategy unchanged."""
+    from bigbatch.config.schedules import scaled_warmup, warmup_steps_of
+
+    b = strategy.batch
+    if not config.fit_warmup or config.resume or not (b.warmup_steps or b.warmup_epochs):
+        return strategy, None
+    data = degrees(strategy, world_size).data
+    n = len(task.train_set)
+    recipe_epochs = task.recipe(config.model).epochs
+    recipe_steps, spe = schedule_steps(strategy, data, n, recipe_epochs)
+    steps = config.steps if config.steps is not None else schedule_steps(
+        strategy, data, n, config.epochs if config.epochs is not None else recipe_epochs)[0]
+    warmup = warmup_steps_of(b.warmup_steps, b.warmup_epochs, spe)
+    fitted = scaled_warmup(warmup, steps, recipe_steps)
+    if fitted == warmup:
+        return strategy, None
+    note = (f"warmup scaled to the run: {fitted} of {steps} steps (the task's default is "
+            f"{warmup} of its recipe's {recipe_steps}; set batch.warmup_steps to choose)")
+    return strategy.with_overrides(["batch.warmup_epochs=0.0",
+                                    f"batch.warmup_steps={fitted}"]), note
 
 
 def plan_run(config: TrainConfig, strategy: Strategy, task: Task, world_size: int,

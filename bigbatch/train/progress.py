@@ -89,6 +89,16 @@ def _summary_writer(logdir: Path, resume_step: int | None):
     return SummaryWriter(str(logdir), purge_step=resume_step)
 
 
+def count(value: float) -> str:
+    """A step count as people write it: `1`, not `1.0` (a fractional one keeps 2 decimals)."""
+    return str(int(value)) if float(value).is_integer() else f"{value:.2f}"
+
+
+def tidy(value: float) -> str:
+    """An epoch count to two decimals at most: `2.22`, `16`, `0.5`."""
+    return f"{value:.2f}".rstrip("0").rstrip(".")
+
+
 class ProgressBar:
     """A rich progress bar on a terminal; plain lines (one per update) otherwise.
 
@@ -135,7 +145,7 @@ class ProgressBar:
         if self._bar is not None:
             self._bar.update(self._task, completed=step, info=info)
         else:
-            print(f"step {step}/{self.total} {info}", file=self.stream, flush=True)
+            print(f"step {count(step)}/{count(self.total)} {info}", file=self.stream, flush=True)
 
     def print(self, message: str) -> None:
         """A line that does not tear the bar (shown even when step updates are off)."""
@@ -145,6 +155,13 @@ class ProgressBar:
             self._bar.console.print(message, highlight=False, markup=False)
         else:
             print(message, file=self.stream, flush=True)
+
+    def result(self, line: str) -> None:
+        """The run's result line: on stdout, so that `bigbatch train ... > result.txt` keeps
+        it (everything else, progress included, is on stderr)."""
+        self.close()
+        if self.enabled:
+            print(line, file=sys.stdout, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
@@ -168,7 +185,7 @@ def closing_line(s: dict[str, Any]) -> str:
     ps = s.get("parameter_server")
     ranks = (f"{ps['servers']} server(s) + {ps['workers']} worker(s)" if ps
              else f"{s['world_size']} worker(s)")
-    line = (f"test {metric} {shown} after {s['epochs']:g} epochs at global batch "
+    line = (f"test {metric} {shown} after {tidy(s['epochs'])} epochs at global batch "
             f"{s['global_batch_size']} ({s['optimizer']}, {ranks}, {s['wall_time_s']:.0f} s)")
     ref = s["reference"]
     if ref is not None:

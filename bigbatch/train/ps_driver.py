@@ -86,6 +86,8 @@ class Driver:
             self.bar.print(job.strategy.overview(job.world.world_size,
                                                  steps_per_epoch=job.spe,
                                                  total_steps=job.total_steps))
+            if job.warmup_note is not None:
+                self.bar.print(job.warmup_note)
 
     def wall_time(self) -> float:
         return self.elapsed_before + time.perf_counter() - self.t_start
@@ -251,7 +253,7 @@ def write_outputs(job: Any, summary: dict[str, Any], weights: dict[str, torch.Te
     atomic_save(weights, out / "final.pt")
     write_recorded(job.files, out / "summary.json", json.dumps(summary, indent=2) + "\n")
     writer.close()
-    bar.print(closing_line(summary))
+    bar.result(closing_line(summary))
 
 
 def summary_of(job: Any, run: Any, server: Any, driver: Any,

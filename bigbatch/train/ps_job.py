@@ -38,7 +38,7 @@ from bigbatch.train.checkpoint import (
     load_training_checkpoint,
 )
 from bigbatch.train.outdir import prepare_out
-from bigbatch.train.plan import load_task, plan_run
+from bigbatch.train.plan import fit_warmup, load_task, plan_run
 from bigbatch.train.ps_driver import Driver
 from bigbatch.train.signals import Stopped
 
@@ -83,6 +83,7 @@ def train_parameter_server(config: Any, strategy: Any, world: World,
     try:
         resume_from, files = prepare_out(config, world, held)
         task = load_task(config, world)
+        strategy, warmup_note = fit_warmup(config, strategy, task, world.world_size)
         ckpt = load_training_checkpoint(resume_from) if resume_from is not None else None
         if ckpt is not None:
             check_resume(ckpt, strategy, world.world_size, resume_from.name)
@@ -98,7 +99,7 @@ def train_parameter_server(config: Any, strategy: Any, world: World,
         ps.start_rpc(world.rank, world.world_size, cfg.servers, timeout, _rpc_init_method())
         rpc_on = True
         job = _Job(config, strategy, task, model, plan, total_steps, spe, ckpt, world)
-        job.files, job.stop = files, stop
+        job.files, job.stop, job.warmup_note = files, stop, warmup_note
         if world.rank < cfg.servers:
             result = job.serve(resume_from)
         else:
@@ -178,6 +179,8 @@ class _Job:
         self.saved = ckpt["parameter_server"] if ckpt is not None else None
         self.timeout = strategy.data_parallel.timeout_s
         self.stop: Any = None
+        self.warmup_note: str | None = None
+        """`bigbatch.train.plan.fit_warmup`'s line, shown under the overview."""
         self.resume_from: Path | None = None
         self.stopped: Stopped | None = None
         """Set when the run ended on a signal: server 0's says where it stopped; the other

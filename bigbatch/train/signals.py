@@ -4,7 +4,8 @@ While a run trains, the first such signal only asks it to stop: every worker fin
 the optimizer step it is in, they agree (one all-reduce of a flag per step) on the
 step to stop after, save a checkpoint there and raise `Stopped`; the CLI prints one
 line and exits with 128 + the signal's number (143, 130, 129), and `--resume`
-continues exactly. A second SIGINT interrupts at once (KeyboardInterrupt).
+continues exactly. A second SIGINT interrupts at once (KeyboardInterrupt), and the CLI
+says which checkpoint, if any, there is to resume from (`checkpoint_note`).
 
 Before training starts (checks, data, rendezvous) there is nothing to save:
 `abort_on_signals` makes SIGTERM and SIGHUP end the process at once, as Ctrl-C does.
@@ -22,7 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["SIGNALS", "StopSignals", "Stopped", "abort_on_signals", "exit_status"]
+__all__ = ["SIGNALS", "StopSignals", "Stopped", "abort_on_signals", "checkpoint_note",
+           "exit_status"]
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -50,6 +52,20 @@ class Stopped(BaseException):
             return f"stopped by {self.name} before training started; nothing was written"
         return (f"stopped by {self.name} after step {self.step}; checkpoint {self.checkpoint}; "
                 "continue with --resume")
+
+
+def checkpoint_note(out: str | Path) -> str:
+    """What an interrupted run left to resume from (a second Ctrl-C does not wait for the
+    stop's checkpoint): the newest whole checkpoint in `out`, or that there is none."""
+    from bigbatch.train.checkpoint import latest_checkpoint
+
+    try:
+        path = latest_checkpoint(out, warn=False)
+    except OSError:
+        path = None
+    if path is None:
+        return "no checkpoint was written: a new run starts from the beginning"
+    return f"the newest checkpoint written is {path}: continue from it with --resume"
 
 
 def _in_main_thread() -> bool:

@@ -57,7 +57,7 @@ from bigbatch.train.config import MAX_NONFINITE_SKIPS, TrainConfig
 from bigbatch.train.nonfinite import NonFiniteGuard
 from bigbatch.train.outdir import RUN_FILE, prepare_out
 from bigbatch.train.pipeline_eval import evaluate_pipeline
-from bigbatch.train.plan import load_task, plan_run
+from bigbatch.train.plan import fit_warmup, load_task, plan_run
 from bigbatch.train.progress import (
     MetricsWriter,
     ProgressBar,
@@ -117,6 +117,8 @@ class _Trainer:
         self.main = world.is_main
         resume_from, self.files = prepare_out(config, world, held)
         self.task = task = load_task(config, world)
+        strategy, warmup_note = fit_warmup(config, strategy, task, world.world_size)
+        self.strategy = strategy
         self.model_name = task.check_model(config.model)
         ckpt = load_training_checkpoint(resume_from) if resume_from is not None else None
         saved = ckpt["engine"].get("batch") if ckpt is not None else None
@@ -173,7 +175,12 @@ class _Trainer:
         else:
             self.bar.print(strategy.overview(world.world_size, steps_per_epoch=spe,
                                              total_steps=self.total_steps))
-            self.bar.print(exclusion_summary(run.optimizer))
+            if warmup_note is not None:
+                self.bar.print(warmup_note)
+            pipe = run.pipeline  # each stage holds a part of the model: count it whole
+            whole = {} if pipe is None else {"group": run.mesh.pp_group,
+                                             "skip": pipe.counted_elsewhere()}
+            self.bar.print(exclusion_summary(run.optimizer, **whole))
 
     def _restore(self, ckpt: dict) -> None:
         self.checkpoints.restore(ckpt, self.run, self.sampler, self.config.seed)
@@ -389,5 +396,5 @@ class _Trainer:
         if self.main:
             self._write("summary.json", json.dumps(summary, indent=2) + "\n")
             self.writer.close()
-            self.bar.print(closing_line(summary))
+            self.bar.result(closing_line(summary))
         return summary
