@@ -20,7 +20,7 @@ from typing import Any
 
 from bigbatch.config.fields import _type_name
 from bigbatch.config.sections import SECTIONS
-from bigbatch.config.strategy import Strategy
+from bigbatch.config.strategy import FILE_KEYS, Strategy
 
 __all__ = ["field_docs", "render"]
 
@@ -112,6 +112,9 @@ def render() -> str:
     summaries = field_docs(Strategy)
     index = ", ".join(f"[`[{name}]`](#{name})" for name in SECTIONS)
     out = [HEADER, f"Sections: {index}.", ""]
+    top = "; ".join(f"`{key}`: {doc}" for key, doc in FILE_KEYS.items())
+    out += [f"Keys outside any section (read by `bigbatch train`, ignored by the library): "
+            f"{top}.", ""]
     for name, cls in SECTIONS.items():
         summary = summaries.get(name, "").partition(": ")[2] or f"[{name}]"
         out += _section(name, cls, summary[0].upper() + summary[1:])
