@@ -18,10 +18,10 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 from _dist import run_workers
+from test_user_models import GLOBAL, W, strategy, train_pipeline, unsharded_peak
+from test_user_models import train as train_rows
 
-from bigbatch.config.strategy import Strategy
 from bigbatch.engine.plans import gpt2_plan, llama_plan
 from bigbatch.engine.prepare import prepare
 from bigbatch.parallel.model_plan import ModelPlan
@@ -30,7 +30,7 @@ from bigbatch.parallel.world import World
 
 transformers = pytest.importorskip("transformers")
 
-W, STEPS, GLOBAL, SEQ, VOCAB = 2, 6, 8, 12, 128
+STEPS, SEQ, VOCAB = 6, 12, 128
 CASES = [(family, layout) for family in ("llama", "gpt2")
          for layout in ("stage3", "tp2", "pp2")]
 
@@ -71,72 +71,13 @@ def layers(family: str, model) -> list:
                           blocks="transformer.h", norm="transformer.ln_f", head="lm_head")
 
 
-def strategy(layout: str | None) -> Strategy:
-    d: dict = {"batch": {"global_batch_size": GLOBAL, "base_batch_size": GLOBAL,
-                         "base_lr": 0.01, "warmup_steps": 2, "decay": "cosine"},
-               "optimizer": {"type": "adamw", "weight_decay": 0.0, "max_grad_norm": 1.0},
-               "lamb": {"enable": True, "lamb_weight_decay": 0.01,
-                        "exclude_from_weight_decay": ["bias", "norm", "ln_"]}}
-    if layout == "stage3":
-        d["sharding"] = {"stage": 3}
-    elif layout == "tp2":
-        d["tensor_parallel"] = {"tensor_parallel_degree": 2}
-    elif layout == "pp2":
-        d["pipeline"] = {"pp_degree": 2, "accumulate_steps": 2}
-    return Strategy.from_dict(d)
-
-
 def tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (STEPS, GLOBAL, SEQ + 1),
                          generator=torch.Generator().manual_seed(3))
 
 
-def full_state(model) -> dict[str, torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-            for k, v in model.state_dict().items()}
-
-
 def train(run, rows: slice) -> dict[str, torch.Tensor]:
-    data = tokens()
-    for step in range(STEPS):
-        x, y = data[step, rows, :-1], data[step, rows, 1:]
-        with run.micro_step() as ms:
-            logits = run.model(x).logits  # a Hugging Face output object
-            ms.backward(F.cross_entropy(logits.flatten(0, 1), y.flatten()))
-        assert ms.stepped
-    return full_state(run.module)
-
-
-def train_pipeline(run) -> dict[str, torch.Tensor]:
-    data = tokens()
-
-    def loss(logits, y):
-        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum"), y.numel()
-
-    for step in range(STEPS):
-        run.pipeline_step(data[step, :, :-1], data[step, :, 1:], loss)
-    return full_state(run.module)
-
-
-def unsharded_peak(model) -> float:
-    """The largest share of the parameters held whole at any module's forward."""
-    from torch.distributed.tensor import DTensor
-
-    total = sum(p.numel() for p in model.parameters())
-    peak = [0]
-
-    def hook(_module, _args):
-        whole = sum(p.numel() for p in model.parameters() if not isinstance(p, DTensor))
-        peak[0] = max(peak[0], whole)
-
-    handles = [m.register_forward_pre_hook(hook) for m in model.modules()]
-    with torch.no_grad():
-        model(tokens()[0, :2, :-1])
-    for h in handles:
-        h.remove()
-    return peak[0] / total
+    return train_rows(run, rows, range(STEPS), tokens(), logits_of=lambda out: out.logits)
 
 
 def _worker() -> dict:
@@ -150,12 +91,12 @@ def _worker() -> dict:
                 "pp2": ModelPlan(pipeline_layers=layers(family, model))}.get(layout)
         run = prepare(model, strategy(layout), total_steps=STEPS, model_plan=plan)
         if layout == "pp2":
-            out[(family, layout)] = train_pipeline(run)
+            out[(family, layout)] = train_pipeline(run, tokens())
             continue
         if layout == "stage3":
             blocks = run.module.model.layers if family == "llama" else run.module.transformer.h
             out[(family, "units")] = [isinstance(b, FSDPModule) for b in blocks]
-            out[(family, "peak")] = unsharded_peak(run.module)
+            out[(family, "peak")] = unsharded_peak(run, tokens()[0, :2, :-1])
         per = GLOBAL // (W if layout == "stage3" else 1)
         first = rank * per if layout == "stage3" else 0
         out[(family, layout)] = train(run, slice(first, first + per))

@@ -77,32 +77,35 @@ def full_state(model) -> dict[str, torch.Tensor]:
             for k, v in model.state_dict().items()}
 
 
-def train(run, rows: slice, steps: range = range(STEPS)) -> dict[str, torch.Tensor]:
-    data = tokens()
+def train(run, rows: slice, steps: range = range(STEPS), data: torch.Tensor | None = None,
+          logits_of=lambda out: out) -> dict[str, torch.Tensor]:
+    """`steps` steps on `rows` of each step's batch (`data`, default `tokens()`);
+    `logits_of` takes the logits out of the model's output (HF: ``out.logits``)."""
+    data = tokens() if data is None else data
     for step in steps:
         x, y = data[step, rows, :-1], data[step, rows, 1:]
         with run.micro_step() as ms:
-            logits = run.model(x)
+            logits = logits_of(run.model(x))
             ms.backward(F.cross_entropy(logits.flatten(0, 1), y.flatten()))
         assert ms.stepped
     return full_state(run.module)
 
 
-def train_pipeline(run) -> dict[str, torch.Tensor]:
+def train_pipeline(run, data: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Every rank calls `pipeline_step` with the whole batch; the step divides the summed
     token loss by the global count, which is one process's mean loss. Returns this
     rank's stage's weights."""
-    data = tokens()
+    data = tokens() if data is None else data
 
     def loss(logits, y):
         return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum"), y.numel()
 
-    for step in range(STEPS):
+    for step in range(len(data)):
         run.pipeline_step(data[step, :, :-1], data[step, :, 1:], loss)
     return full_state(run.module)
 
 
-def unsharded_peak(run) -> float:
+def unsharded_peak(run, x: torch.Tensor | None = None) -> float:
     """The largest share of the model's parameters held whole (not as DTensor shards) at
     any module's forward, over one forward pass."""
     from torch.distributed.tensor import DTensor
@@ -117,7 +120,7 @@ def unsharded_peak(run) -> float:
 
     handles = [m.register_forward_pre_hook(hook) for m in model.modules()]
     with torch.no_grad():
-        model(tokens()[0, :2, :-1])
+        model(tokens()[0, :2, :-1] if x is None else x)
     for h in handles:
         h.remove()
     return peak[0] / total
