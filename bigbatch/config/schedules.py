@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bigbatch.config.scaling import scale_factor
 from bigbatch.errors import ConfigError
 
 DECAYS = ("cosine", "poly", "step", "none")
@@ -137,6 +138,10 @@ class Schedule:
         """
         b = strategy.batch
         warmup = warmup_steps_of(b.warmup_steps, b.warmup_epochs, steps_per_epoch)
+        warmup = grown_warmup(warmup, getattr(b, "warmup_scaling", "none"),
+                              plan.global_batch_size,
+                              getattr(b, "warmup_batch_size", None) or b.base_batch_size,
+                              total_steps)
         return cls(
             peak_lr=plan.peak_lr,
             total_steps=total_steps,
@@ -214,3 +219,18 @@ def warmup_steps_of(warmup_steps: int, warmup_epochs: float, steps_per_epoch: in
             f"(optimizer steps per epoch), got {steps_per_epoch}"
         )
     return round(warmup_epochs * steps_per_epoch)
+
+
+def grown_warmup(warmup_steps: int, rule: str, global_batch_size: int,
+                 warmup_batch_size: int, total_steps: int) -> int:
+    """Warmup that grows with the batch (``batch.warmup_scaling``): `warmup_steps` holds at
+    `warmup_batch_size` and is multiplied by `rule`'s factor of the ratio of the batches
+    (`bigbatch.config.scaling`), at most half of `total_steps`; as given with rule none.
+
+    >>> grown_warmup(10, "sqrt", 4096, 1024, 1000)
+    20
+    """
+    if rule == "none" or warmup_steps == 0:
+        return warmup_steps
+    grown = round(warmup_steps * scale_factor(global_batch_size / warmup_batch_size, rule))
+    return max(1, min(grown, total_steps // 2))

@@ -54,6 +54,7 @@ from bigbatch.train.checkpoint import (
 )
 from bigbatch.train.checkpointer import Checkpointer
 from bigbatch.train.config import MAX_NONFINITE_SKIPS, TrainConfig
+from bigbatch.train.lr_phase import CURVE_FILE, FoundLR, lr_find_phase
 from bigbatch.train.nonfinite import NonFiniteGuard
 from bigbatch.train.outdir import RUN_FILE, prepare_out
 from bigbatch.train.pipeline_eval import evaluate_pipeline
@@ -144,9 +145,13 @@ class _Trainer:
         self.guard = (NonFiniteGuard(config.nan_policy, world, world.device,
                                        MAX_NONFINITE_SKIPS, config.out)
                       if run.scaler is None and run.pipeline is None else None)
+        self.lr_found, curve = None, None  # [batch] lr_find: FoundLR as a dict, its curve
         if ckpt is not None:
             self._restore(ckpt)
-        else:  # per-worker streams (dropout), shared by tensor-parallel peers
+        else:  # the range test, then per-worker streams (dropout) shared by TP peers
+            self.lr_found, curve = lr_find_phase(task, self.model_name, run.module.state_dict(),
+                                                 run.clock, strategy, plan, world, config.seed,
+                                                 spe)
             data.seed_everything(config.seed * 1000 + run.mesh.data_rank + 1)
         self._follow_plan()
         step_units = self.sampler.steps_per_epoch
@@ -158,6 +163,8 @@ class _Trainer:
             self.files.begin(overwrite=config.overwrite and not config.resume)
             self._write("strategy.toml", strategy.to_toml())
             self._write(RUN_FILE, json.dumps(config.to_dict(), indent=2) + "\n")
+            if curve is not None:
+                self._write(CURVE_FILE, curve)
             self.writer = MetricsWriter(self.out, tensorboard=config.tensorboard,
                                         resume_step=run.step if ckpt is not None else None,
                                         files=self.files)
@@ -166,18 +173,21 @@ class _Trainer:
         if ckpt is not None:
             self.bar.print(f"resuming {self.out} from step {run.step} (epoch "
                            f"{self.sampler.epoch}, sample {self.sampler.position})")
-            moved = resume_line(saved, run.plan, run.world.world_size,
-                                                 run.unit_batch_size, strategy) if saved is not None else None
+            moved = saved is not None and resume_line(saved, run.plan, run.world.world_size,
+                                                      run.unit_batch_size, strategy)
             if moved:
                 self.bar.print(moved)
         else:
             self.bar.print(strategy.overview(world.world_size, steps_per_epoch=spe,
-                                             total_steps=self.total_steps))
+                                             total_steps=self.total_steps, lr_find=self.lr_found))
+            if self.lr_found is not None:
+                self.bar.print(FoundLR.from_dict(self.lr_found).line())
             self.bar.print(exclusion_summary(run.optimizer))
 
     def _restore(self, ckpt: dict) -> None:
         self.checkpoints.restore(ckpt, self.run, self.sampler, self.config.seed)
         self.samples = int(ckpt.get("samples", 0))
+        self.lr_found = ckpt.get("lr_find")  # the peak itself is in the clock's state
         self.elapsed_before = float(ckpt.get("wall_time_s", 0.0))
         if self.guard is not None:
             self.guard.skipped = int(ckpt.get("nonfinite_skipped_steps", 0))
@@ -367,7 +377,8 @@ class _Trainer:
         """The trainer's part of a checkpoint (taken as it is written)."""
         return {"strategy": self.strategy.to_dict(), "config": self.config.to_dict(),
                 "wall_time_s": self.elapsed_before + time.perf_counter() - self.t_start,
-                "nonfinite_skipped_steps": self.guard.skipped if self.guard else 0}
+                "nonfinite_skipped_steps": self.guard.skipped if self.guard else 0,
+                "lr_find": self.lr_found}
 
     def _finish(self, metrics: dict[str, float], step_time: float) -> dict[str, Any]:
         run, plan, task = self.run, self.run.plan, self.task
@@ -383,7 +394,8 @@ class _Trainer:
             batch_size_changes=list(run.batch_size_changes),
             time_s={"steps": step_time, "compute": timer["compute"], "eval": timer["eval"],
                     "checkpoint": timer["checkpoint"]},
-            overhead_share=1.0 - timer["compute"] / step_time if step_time > 0 else None)
+            overhead_share=1.0 - timer["compute"] / step_time if step_time > 0 else None,
+            lr_find=self.lr_found, peak_lr=self.lr_found["peak_lr"] if self.lr_found else None)
         sync_buffers(run.module, self.world, run.mesh.dp_group)
         self.checkpoints.save_final(run)
         if self.main:
