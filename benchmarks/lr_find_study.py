@@ -1,0 +1,176 @@
+"""The lr_find study: the base recipe's LR scaled by its rule against `[batch] lr_find = true`,
+at 8x, 32x and 64x the base batch, equal epochs, 2 seeds; writes docs/lr-find-study.md.
+
+Each (task, seed, mode) is one `bigbatch study` (`bigbatch.study.run_study`, cells in this
+process, one thread) under OUT/<task>/<mode>-s<seed>/; a finished cell is kept on a rerun,
+so the command can be stopped and started again. The page is written from the cells'
+summary.json files only.
+
+- MNIST-1D (CNN, 50,000 samples, 10 epochs): LARS with the untuned recipe of issue 30
+  (Fleet's lars_coeff 0.001, base_lr 0.3125 at 256, linear, 2 warmup epochs, cosine) and
+  momentum SGD (the task's recipe, 0.1 at 128 = 0.2 at 256, linear, 2 warmup epochs).
+- charlm (the reduced Transformer of `bigbatch study --quick`: d_model 64, 1 layer,
+  seq_len 32; 2 epochs): AdamW (the recipe, 2e-3 at 16, linear) and LAMB (sqrt), the
+  study's warmup (0.25 epochs).
+
+    .venv/bin/python benchmarks/lr_find_study.py                 # everything (~1 CPU-hour)
+    .venv/bin/python benchmarks/lr_find_study.py --tasks mnist1d --seeds 0
+    .venv/bin/python benchmarks/lr_find_study.py --report-only   # the page from what ran
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bigbatch.study import StudyConfig, run_study  # noqa: E402
+
+COMMAND = "python benchmarks/lr_find_study.py"
+MODES = ("scaled", "lr_find")
+TASKS = {
+    "mnist1d": {
+        "title": "MNIST-1D (CNN, 40,000 training samples, 10 epochs)",
+        "base": 256, "strategies": {"lars": "LARS", "sgd": "SGD"},
+        "config": dict(task="mnist1d", model="cnn", epochs=10, batches=[2048, 8192, 16384],
+                       strategies=["lars", "sgd"], micro_batch_size=1024, warmup_epochs=2,
+                       evals_per_epoch=1,
+                       overrides={"all": ["batch.base_batch_size=256", "adaptive.noise_scale=false"],
+                                  "lars": ["batch.base_lr=0.3125", "lars.lars_coeff=0.001"],
+                                  "sgd": ["batch.base_lr=0.2"]}),
+    },
+    "charlm": {
+        "title": "charlm (Transformer d_model 64, 1 layer, seq_len 32; 2 epochs)",
+        "base": 16, "strategies": {"lamb": "LAMB", "sgd": "AdamW"},
+        "config": dict(task="charlm", task_options={"d_model": 64, "n_layer": 1, "seq_len": 32},
+                       epochs=2, batches=[128, 512, 1024], strategies=["lamb", "sgd"],
+                       micro_batch_size=256, evals_per_epoch=1,
+                       overrides={"all": ["adaptive.noise_scale=false"]}),
+    },
+    "demo": {  # `bigbatch train`'s demo strategy (LARS, lars_coeff 0.01) at 64x
+        "title": "The demo (MNIST-1D, LARS 0.1 at 128 with lars_coeff 0.01; 16 epochs; seed 0)",
+        "base": 128, "strategies": {"lars": "LARS (demo)"}, "seeds": [0],
+        "config": dict(task="mnist1d", model="cnn", epochs=16, batches=[8192],
+                       strategies=["lars"], micro_batch_size=1024, warmup_epochs=2,
+                       evals_per_epoch=1, overrides={"all": ["adaptive.noise_scale=false"]}),
+    },
+}
+
+
+def study_dir(out: Path, task: str, mode: str, seed: int) -> Path:
+    return out / task / f"{mode}-s{seed}"
+
+
+def run(out: Path, tasks: list[str], seeds: list[int], modes: list[str],
+        report_only: bool) -> None:
+    for task in tasks:
+        for seed in TASKS[task].get("seeds", seeds):
+            for mode in modes:
+                config = StudyConfig(**TASKS[task]["config"], seed=seed, threads=1,
+                                     lr_find=mode == "lr_find", progress=False,
+                                     out=str(study_dir(out, task, mode, seed)))
+                run_study(config, run_missing=not report_only)
+
+
+def _cell(out: Path, task: str, mode: str, seed: int, name: str, batch: int) -> dict | None:
+    path = study_dir(out, task, mode, seed) / "cells" / f"{name}-b{batch}" / "summary.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _fmt(values: list[float], metric: str) -> str:
+    if not values:
+        return "-"
+    f = (lambda v: f"{100 * v:.2f}%") if metric == "accuracy" else (lambda v: f"{v:.3f}")
+    mean = f(statistics.fmean(values))
+    return mean + (f" ({', '.join(f(v) for v in values)})" if len(values) > 1 else "")
+
+
+def _lrs(values: list[float]) -> str:
+    return ", ".join(f"{v:.3g}" for v in values) if values else "-"
+
+
+def table(out: Path, task: str, seeds: list[int]) -> list[str]:
+    spec = TASKS[task]
+    seeds = spec.get("seeds", seeds)
+    metric = "accuracy" if spec["config"]["task"] == "mnist1d" else "bpc"
+    lines = [f"### {spec['title']}", "",
+             f"| optimizer | batch (x base {spec['base']}) | scaled LR | test {metric}, scaled "
+             f"| LR found | test {metric}, lr_find | range test / rest of run |",
+             "|---|---|---|---|---|---|---|"]
+    for name, label in spec["strategies"].items():
+        for batch in spec["config"]["batches"]:
+            scaled = [s for seed in seeds if (s := _cell(out, task, "scaled", seed, name, batch))]
+            found = [s for seed in seeds if (s := _cell(out, task, "lr_find", seed, name, batch))]
+            records = [f["lr_find"] for f in found]
+            lr_text = _lrs([r["peak_lr"] for r in records])
+            if fallbacks := sum(r["fallback"] for r in records):
+                lr_text += f" ({fallbacks} fell back to the scaled LR)"
+            shares = [r["time_s"] / max(f["wall_time_s"] - r["time_s"], 1e-9)
+                      for f, r in zip(found, records, strict=True)]
+            scaled_lr = (scaled[0]["peak_lr"] if scaled else
+                         records[0]["scaled_lr"] if records else None)
+            lines.append(" | ".join([
+                f"| {label}", f"{batch} ({batch // spec['base']}x)",
+                f"{scaled_lr:.3g}" if scaled_lr is not None else "-",
+                _fmt([s[f"test_{metric}"] for s in scaled], metric), lr_text,
+                _fmt([f[f"test_{metric}"] for f in found], metric),
+                f"{statistics.fmean(shares):.0%}" if shares else "-"]) + " |")
+    return lines
+
+
+def page(out: Path, seeds: list[int]) -> str:
+    head = [
+        "# lr_find at 8x, 32x and 64x the base batch",
+        "",
+        "<!-- Written by `python benchmarks/lr_find_study.py` from the cells' summary.json;",
+        "do not edit by hand. -->",
+        "",
+        "Each row trains one task at one global batch for the same epochs twice per seed: with",
+        "the base recipe's LR scaled by its rule (linear for LARS, SGD and AdamW, square root",
+        "for LAMB), and with `[batch] lr_find = true`, which runs the LR range test at that",
+        "batch from a copy of the initial weights and trains at the peak LR it suggests",
+        "(`bigbatch.train.lr_suggest`). Values are the mean over seeds "
+        f"{', '.join(map(str, seeds))}, each seed in brackets; the last column is the range",
+        "test's wall time over the rest of the run's (mean over seeds). One worker per run:",
+        "two workers compute the same steps (tests/test_engine_dist.py).",
+        "",
+        "Command (about an hour of one CPU core; a rerun keeps finished cells):",
+        "",
+        "```",
+        COMMAND,
+        "```",
+        "",
+    ]
+    body: list[str] = []
+    for task in TASKS:
+        body += table(out, task, seeds) + [""]
+    return "\n".join(head + body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tasks", default=",".join(TASKS), help=f"of {', '.join(TASKS)} "
+                   "(comma-separated; default: all)")
+    p.add_argument("--seeds", default="0,1", help="comma-separated (default 0,1)")
+    p.add_argument("--out", default="runs/lr-find-study", help="the studies' folder")
+    p.add_argument("--doc", default="docs/lr-find-study.md", help="the page to write")
+    p.add_argument("--modes", default=",".join(MODES), help="of scaled, lr_find (default both)")
+    p.add_argument("--report-only", action="store_true", help="write the page from what ran")
+    args = p.parse_args(argv)
+    out, seeds = Path(args.out), [int(s) for s in args.seeds.split(",")]
+    run(out, args.tasks.split(","), seeds, args.modes.split(","), args.report_only)
+    Path(args.doc).write_text(page(out, seeds))
+    print(f"wrote {args.doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
