@@ -62,13 +62,34 @@ TASKS = {
 }
 
 
+# Large-batch recipe pieces, each on its own on top of the MNIST-1D LARS cell at 8192
+# (scaled LR, seed 0): (title, extra overrides of every cell, extra task options).
+PIECES = {
+    "warmup-sqrt": ("warmup x sqrt(batch / 2048): 4 epochs at 8192",
+                    ["batch.warmup_scaling=\"sqrt\"", "batch.warmup_batch_size=2048"], {}),
+    "poly2": ("polynomial decay, power 2", ["batch.decay=\"poly\"", "batch.decay_power=2.0"], {}),
+    "smoothing": ("label smoothing 0.1", [], {"label_smoothing": 0.1}),
+}
+
+
+def piece_config(name: str) -> dict:
+    _, overrides, options = PIECES[name]
+    c = dict(TASKS["mnist1d"]["config"], batches=[8192], strategies=["lars"])
+    c["overrides"] = {**c["overrides"], "all": [*c["overrides"]["all"], *overrides]}
+    c["task_options"] = options
+    return c
+
+
 def study_dir(out: Path, task: str, mode: str, seed: int) -> Path:
     return out / task / f"{mode}-s{seed}"
 
 
 def run(out: Path, tasks: list[str], seeds: list[int], modes: list[str],
         report_only: bool) -> None:
-    for task in tasks:
+    for name in [t for t in tasks if t in PIECES]:
+        run_study(StudyConfig(**piece_config(name), seed=0, threads=1, progress=False,
+                              out=str(out / "pieces" / name)), run_missing=not report_only)
+    for task in [t for t in tasks if t in TASKS]:
         for seed in TASKS[task].get("seeds", seeds):
             for mode in modes:
                 config = StudyConfig(**TASKS[task]["config"], seed=seed, threads=1,
@@ -77,12 +98,21 @@ def run(out: Path, tasks: list[str], seeds: list[int], modes: list[str],
                 run_study(config, run_missing=not report_only)
 
 
-def _cell(out: Path, task: str, mode: str, seed: int, name: str, batch: int) -> dict | None:
-    path = study_dir(out, task, mode, seed) / "cells" / f"{name}-b{batch}" / "summary.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+KEEP = ("task", "test_accuracy", "test_bpc", "test_loss", "epochs", "global_batch_size",
+        "peak_lr", "seed", "wall_time_s", "lr_find")
+
+
+def collect(out: Path) -> dict[str, dict]:
+    """Every finished cell's summary (the keys the page reads), by its folder under `out`."""
+    cells = {}
+    for path in sorted(out.glob("**/cells/*/summary.json")):
+        summary = json.loads(path.read_text())
+        cells[path.parent.relative_to(out).as_posix()] = {k: summary.get(k) for k in KEEP}
+    return cells
+
+
+def _cell(results: dict, task: str, mode: str, seed: int, name: str, batch: int) -> dict | None:
+    return results.get(f"{task}/{mode}-s{seed}/cells/{name}-b{batch}")
 
 
 def _fmt(values: list[float], metric: str) -> str:
@@ -97,7 +127,7 @@ def _lrs(values: list[float]) -> str:
     return ", ".join(f"{v:.3g}" for v in values) if values else "-"
 
 
-def table(out: Path, task: str, seeds: list[int]) -> list[str]:
+def table(results: dict, task: str, seeds: list[int]) -> list[str]:
     spec = TASKS[task]
     seeds = spec.get("seeds", seeds)
     metric = "accuracy" if spec["config"]["task"] == "mnist1d" else "bpc"
@@ -107,8 +137,8 @@ def table(out: Path, task: str, seeds: list[int]) -> list[str]:
              "|---|---|---|---|---|---|---|"]
     for name, label in spec["strategies"].items():
         for batch in spec["config"]["batches"]:
-            scaled = [s for seed in seeds if (s := _cell(out, task, "scaled", seed, name, batch))]
-            found = [s for seed in seeds if (s := _cell(out, task, "lr_find", seed, name, batch))]
+            scaled = [s for seed in seeds if (s := _cell(results, task, "scaled", seed, name, batch))]
+            found = [s for seed in seeds if (s := _cell(results, task, "lr_find", seed, name, batch))]
             records = [f["lr_find"] for f in found]
             lr_text = _lrs([r["peak_lr"] for r in records])
             if fallbacks := sum(r["fallback"] for r in records):
@@ -126,7 +156,66 @@ def table(out: Path, task: str, seeds: list[int]) -> list[str]:
     return lines
 
 
-def page(out: Path, seeds: list[int]) -> str:
+def pieces_table(results: dict) -> list[str]:
+    base = _cell(results, "mnist1d", "scaled", 0, "lars", 8192)
+    lines = ["### Large-batch recipe pieces (MNIST-1D, LARS at 8192, scaled LR, seed 0)", "",
+             "Each piece alone on top of the LARS cell above (10 epochs); the defaults stay "
+             "off unless a piece is better here.", "",
+             "| recipe | test accuracy | vs the recipe |", "|---|---|---|"]
+    ref = base["test_accuracy"] if base else None
+    lines.append(f"| the recipe (linear, 2 warmup epochs, cosine) | "
+                 f"{_fmt([ref] if ref is not None else [], 'accuracy')} | |")
+    for name, (title, _, _) in PIECES.items():
+        s = results.get(f"pieces/{name}/cells/lars-b8192")
+        acc = s["test_accuracy"] if s else None
+        delta = (f"{100 * (acc - ref):+.2f} points" if acc is not None and ref is not None
+                 else "-")
+        lines.append(f"| {title} | {_fmt([acc] if acc is not None else [], 'accuracy')} | "
+                     f"{delta} |")
+    return lines
+
+
+def done_when(results: dict, seeds: list[int]) -> list[str]:
+    """Issue 30's targets, read from the cells."""
+    from bigbatch.tasks.mnist1d import _RECIPES
+
+    def mean(task, mode, name, batch, seeds=seeds):
+        cells = [s for seed in seeds if (s := _cell(results, task, mode, seed, name, batch))]
+        return statistics.fmean(c["test_accuracy"] for c in cells) if cells else None
+
+    def verdict(ok):
+        return "-" if ok is None else "holds" if ok else "not reached"
+
+    reference = _RECIPES["cnn"].reference
+    rows = [("LARS, untuned recipe + lr_find, 2048, 10 epochs", ">= 98.5%",
+             a := mean("mnist1d", "lr_find", "lars", 2048), None if a is None else a >= 0.985),
+            ("LARS, untuned recipe + lr_find, 8192, 10 epochs", ">= 91%",
+             a := mean("mnist1d", "lr_find", "lars", 8192), None if a is None else a >= 0.91),
+            (f"the demo + lr_find, 8192, 16 epochs", f">= {100 * (reference - 0.01):.2f}% "
+             f"(batch 128: {100 * reference:.2f}%)", a := mean("demo", "lr_find", "lars", 8192, [0]),
+             None if a is None else a >= reference - 0.01)]
+    shares = []
+    for task, spec in TASKS.items():
+        for seed in spec.get("seeds", seeds):
+            for name in spec["strategies"]:
+                for batch in spec["config"]["batches"]:
+                    if (f := _cell(results, task, "lr_find", seed, name, batch)) is not None:
+                        r = f["lr_find"]
+                        shares.append((r["time_s"] / max(f["wall_time_s"] - r["time_s"], 1e-9),
+                                       f"{task} {name} {batch}"))
+    lines = ["### Issue 30's targets", "", "| target | wanted | measured | |", "|---|---|---|---|"]
+    for what, wanted, got, ok in rows:
+        lines.append(f"| {what} | {wanted} | {_fmt([got] if got is not None else [], 'accuracy')} "
+                     f"| {verdict(ok)} |")
+    if shares:
+        below = [w for share, w in shares if share <= 0.15]
+        lines.append(f"| the range test's time over the run it precedes | <= 15% | "
+                     f"{min(shares)[0]:.0%} to {max(shares)[0]:.0%} | {len(below)} of "
+                     f"{len(shares)} runs |")
+    return lines
+
+
+def page(results: dict, seeds: list[int]) -> str:
     head = [
         "# lr_find at 8x, 32x and 64x the base batch",
         "",
@@ -149,26 +238,37 @@ def page(out: Path, seeds: list[int]) -> str:
         "```",
         "",
     ]
-    body: list[str] = []
+    body: list[str] = done_when(results, seeds) + [""]
     for task in TASKS:
-        body += table(out, task, seeds) + [""]
+        body += table(results, task, seeds) + [""]
+    body += pieces_table(results) + [""]
     return "\n".join(head + body)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tasks", default=",".join(TASKS), help=f"of {', '.join(TASKS)} "
-                   "(comma-separated; default: all)")
+    p.add_argument("--tasks", default=",".join([*TASKS, *PIECES]),
+                   help=f"of {', '.join([*TASKS, *PIECES])} (comma-separated; default: all)")
     p.add_argument("--seeds", default="0,1", help="comma-separated (default 0,1)")
     p.add_argument("--out", default="runs/lr-find-study", help="the studies' folder")
     p.add_argument("--doc", default="docs/lr-find-study.md", help="the page to write")
     p.add_argument("--modes", default=",".join(MODES), help="of scaled, lr_find (default both)")
     p.add_argument("--report-only", action="store_true", help="write the page from what ran")
+    p.add_argument("--from-json", action="store_true", help="write the page from the results "
+                   "file beside it (DOC with .json), without OUT")
     args = p.parse_args(argv)
     out, seeds = Path(args.out), [int(s) for s in args.seeds.split(",")]
-    run(out, args.tasks.split(","), seeds, args.modes.split(","), args.report_only)
-    Path(args.doc).write_text(page(out, seeds))
-    print(f"wrote {args.doc}")
+    doc = Path(args.doc)
+    data = doc.with_suffix(".json")
+    if args.from_json:
+        results = json.loads(data.read_text())["cells"]
+    else:
+        run(out, args.tasks.split(","), seeds, args.modes.split(","), args.report_only)
+        results = collect(out)
+        data.write_text(json.dumps({"command": COMMAND, "seeds": seeds, "cells": results},
+                                   indent=1) + "\n")
+    doc.write_text(page(results, seeds))
+    print(f"wrote {doc} and {data}")
     return 0
 
 

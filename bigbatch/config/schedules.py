@@ -138,10 +138,9 @@ class Schedule:
         """
         b = strategy.batch
         warmup = warmup_steps_of(b.warmup_steps, b.warmup_epochs, steps_per_epoch)
-        warmup = grown_warmup(warmup, getattr(b, "warmup_scaling", "none"),
-                              plan.global_batch_size,
-                              getattr(b, "warmup_batch_size", None) or b.base_batch_size,
-                              total_steps)
+        if (rule := getattr(b, "warmup_scaling", "none")) != "none":
+            warmup = grown_warmup(warmup, rule, plan.global_batch_size,
+                                  b.warmup_batch_size or b.base_batch_size, total_steps)
         return cls(
             peak_lr=plan.peak_lr,
             total_steps=total_steps,

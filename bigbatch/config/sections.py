@@ -90,17 +90,17 @@ class BatchConfig(_Section):
     weights (the run's own workers; optimizer state and RNG of the real run untouched),
     then train from the original weights with the suggested peak LR in place of the
     scaled base LR. The suggestion is the LR of the smoothed loss's minimum before it
-    diverges, divided by lr_find_safety (4: the factor that held
+    diverges, divided by lr_find_safety (2: the factor that held
     for LARS, SGD, LAMB and AdamW on MNIST-1D and charlm, docs/lr-find-study.md); with no
     clear descent the scaled base LR is kept with a one-line warning. Warmup, decay and
     final_lr_ratio apply to the found peak. The found LR, the curve (lr_find.json in the
     run directory) and the test's time are in the overview, summary.json and the
     checkpoint: a resume never runs the test again."""
-    lr_find_steps: int = _f(40, ge=5, le=100_000)
+    lr_find_steps: int = _f(30, ge=5, le=100_000)
     """lr_find: optimizer steps of the sweep at most (it stops once the loss diverges)."""
     lr_find_range: tuple[float, ...] = _f((0.01, 100.0), gt=0)
     """lr_find: the first and last LR of the sweep as multiples of the scaled base LR."""
-    lr_find_safety: float = _f(4.0, ge=1)
+    lr_find_safety: float = _f(2.0, ge=1)
     """lr_find: the suggested peak is the smoothed minimum's LR divided by this."""
     elastic: str = _f("keep", choices=ELASTIC_MODES)
     """Resuming on another number of workers: keep the global batch (micro batch or k_steps

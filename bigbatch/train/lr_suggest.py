@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 __all__ = ["DIVERGE", "SAFETY", "Suggestion", "diverged", "smooth", "suggest"]
 
-SAFETY = 4.0
+SAFETY = 2.0
 """The suggested peak LR is the smoothed minimum's LR divided by this."""
 DIVERGE = 4.0
 """A smoothed loss above this multiple of its best so far has diverged (fastai, Lightning)."""
