@@ -150,3 +150,20 @@ def test_lr_find_with_the_parameter_server_is_refused_in_one_line(tmp_path, caps
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert "batch.lr_find with [parameter_server] is not supported" in err
+
+
+def test_the_study_page_is_rendered_from_its_results():
+    """docs/lr-find-study.md is what benchmarks/lr_find_study.py writes from the results
+    beside it (regenerate: `python benchmarks/lr_find_study.py --from-json`)."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("lr_find_study",
+                                                  root / "benchmarks" / "lr_find_study.py")
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    doc = root / "docs" / "lr-find-study.md"
+    data = json.loads(doc.with_suffix(".json").read_text())
+    assert doc.read_text() == study.page(data["cells"], data["seeds"])
+    assert study.COMMAND in doc.read_text()
