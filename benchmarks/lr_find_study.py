@@ -104,7 +104,7 @@ def run(out: Path, tasks: list[str], seeds: list[int], modes: list[str],
 
 
 KEEP = ("task", "test_accuracy", "test_bpc", "test_loss", "epochs", "global_batch_size",
-        "peak_lr", "seed", "wall_time_s", "lr_find")
+        "peak_lr", "seed", "wall_time_s", "samples", "lr_find")
 
 
 def collect(out: Path) -> dict[str, dict]:
@@ -138,7 +138,7 @@ def table(results: dict, task: str, seeds: list[int]) -> list[str]:
     metric = "accuracy" if spec["config"]["task"] == "mnist1d" else "bpc"
     lines = [f"### {spec['title']}", "",
              f"| optimizer | batch (x base {spec['base']}) | scaled LR | test {metric}, scaled "
-             f"| LR found | test {metric}, lr_find | range test / rest of run |",
+             f"| LR found | test {metric}, lr_find | range test / rest of run: time (samples) |",
              "|---|---|---|---|---|---|---|"]
     for name, label in spec["strategies"].items():
         for batch in spec["config"]["batches"]:
@@ -150,6 +150,8 @@ def table(results: dict, task: str, seeds: list[int]) -> list[str]:
                 lr_text += f" ({fallbacks} fell back to the scaled LR)"
             shares = [r["time_s"] / max(f["wall_time_s"] - r["time_s"], 1e-9)
                       for f, r in zip(found, records, strict=True)]
+            samples = [r["steps"] * r["global_batch_size"] / f["samples"]
+                       for f, r in zip(found, records, strict=True)]
             scaled_lr = (scaled[0]["peak_lr"] if scaled else
                          records[0]["scaled_lr"] if records else None)
             lines.append(" | ".join([
@@ -157,7 +159,8 @@ def table(results: dict, task: str, seeds: list[int]) -> list[str]:
                 f"{scaled_lr:.3g}" if scaled_lr is not None else "-",
                 _fmt([s[f"test_{metric}"] for s in scaled], metric), lr_text,
                 _fmt([f[f"test_{metric}"] for f in found], metric),
-                f"{statistics.fmean(shares):.0%}" if shares else "-"]) + " |")
+                f"{statistics.fmean(shares):.0%} ({statistics.fmean(samples):.0%})" if shares
+                else "-"]) + " |")
     return lines
 
 
@@ -252,7 +255,9 @@ def page(results: dict, seeds: list[int]) -> str:
         "root for LAMB), and with `lr_find = true`. Values are the mean over seeds "
         f"{', '.join(map(str, seeds))},",
         "each seed in brackets; the last column is the range test's wall time over the rest of",
-        "its run (mean over seeds). One worker per run: two workers take the same steps on the",
+        "its run (mean over seeds; on a shared, busy CPU), and in brackets the samples it",
+        "trained on over the run's, which the time follows on a quiet machine (the run also",
+        "evaluates once an epoch). One worker per run: two workers take the same steps on the",
         "same global batch (tests/test_engine_dist.py), and the range test averages their",
         "losses. To fit a shared 2-core CPU, charlm runs the reduced Transformer of",
         "`bigbatch study --quick` for 2 epochs (the recipe: d_model 128, 2 layers, 4 epochs),",

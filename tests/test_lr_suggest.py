@@ -101,3 +101,14 @@ def test_the_suggestion_stops_at_divergence():
 def test_mismatched_lengths_are_an_error():
     with pytest.raises(ValueError, match="3 LRs but 2 losses"):
         suggest([1, 2, 3], [1.0, 2.0])
+
+
+def test_the_reason_says_where_the_minimum_is():
+    lrs = sweep()
+    losses = valley(lrs)
+    m = argmin(losses)
+    rising = losses[:m + 4] + [losses[m] + 0.1 * i for i in range(1, len(lrs) - m - 3)]
+    assert "the loss rose after it, without diverging" in suggest(lrs, rising).reason
+    falling = [2.3 - 0.04 * i for i in range(len(lrs))]
+    assert "at the sweep's top" in suggest(lrs, falling).reason
+    assert "before divergence" in suggest(lrs, losses).reason

@@ -118,7 +118,11 @@ def suggest(lrs: Sequence[float], losses: Sequence[float], *, safety: float = SA
         return Suggestion(None, f"the loss {what} (drop {drop:.3g}, noise {noise:.3g})",
                           tuple(s), diverged_index=stop)
     lr = lrs[m] / safety
-    where = (f"before divergence at {lrs[stop]:.3g}" if stop is not None and stop < len(lrs)
-             else "at the sweep's top: the loss still fell there, a larger LR may do")
+    if stop is not None and stop < len(lrs):
+        where = f"before divergence at {lrs[stop]:.3g}"
+    elif m == n - 1:
+        where = "at the sweep's top: the loss still fell there, a larger LR may do"
+    else:
+        where = f"the loss rose after it, without diverging up to {lrs[n - 1]:.3g}"
     return Suggestion(lr, f"smoothed minimum at {lrs[m]:.3g} {where}; / {safety:g}",
                       tuple(s), minimum_lr=lrs[m], diverged_index=stop)
