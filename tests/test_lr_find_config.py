@@ -102,3 +102,13 @@ def test_the_study_option_turns_lr_find_on_in_every_cell():
         c = StudyConfig(epochs=2, lr_find=flag)
         for name in ("sgd", "lars", "lamb"):
             assert cell_strategy(c, _RECIPES["cnn"], name, 1024).batch.lr_find is flag
+
+
+def test_the_overview_shows_the_found_peak_and_the_grown_warmup():
+    s = batch(lr_find=True, warmup_epochs=2, warmup_scaling="sqrt", warmup_batch_size=512)
+    before = s.overview(1, steps_per_epoch=19, total_steps=190)
+    assert "found by lr_find (scaled: 0.8)" in before
+    assert "76 steps, sqrt-scaled from 2 epochs" in before  # 38 at 512, x sqrt(4)
+    found = {"peak_lr": 12.5, "time_s": 16.0, "fallback": False, "curve_file": "lr_find.json"}
+    assert "12.5 (lr_find, 16 s; scaled 0.8)" in s.overview(1, lr_find=found)
+    assert "0.8 (lr_find fell back to it)" in s.overview(1, lr_find={**found, "fallback": True})

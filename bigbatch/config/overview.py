@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from bigbatch.config.parallelism import Degrees, degrees
-from bigbatch.config.schedules import warmup_start_lr
+from bigbatch.config.schedules import grown_warmup, warmup_start_lr, warmup_steps_of
 from bigbatch.config.sections import KEYS, SECTIONS
 
 __all__ = ["render_overview", "strategy_overview"]
@@ -119,12 +119,12 @@ def _derived_rows(
     b = strategy.batch
     peak = f"{plan.peak_lr:.6g} = {b.base_lr:g} x {b.scaling}({plan.scale:g})"
     if lr_find is not None and not lr_find["fallback"]:
-        peak = (f"{lr_find['peak_lr']:.6g} by lr_find in {lr_find['time_s']:.1f} s "
-                f"({lr_find['curve_file']}); scaled: {plan.peak_lr:.6g}")
+        peak = (f"{lr_find['peak_lr']:.4g} (lr_find, {lr_find['time_s']:.0f} s; scaled "
+                f"{plan.peak_lr:.4g})")
     elif lr_find is not None:
-        peak += f" (lr_find fell back: see {lr_find['curve_file']})"
+        peak = f"{plan.peak_lr:.6g} (lr_find fell back to it)"
     elif b.lr_find:
-        peak += f" until lr_find sweeps {b.lr_find_steps} steps before training"
+        peak = f"found by lr_find (scaled: {plan.peak_lr:.4g})"
     if b.warmup_epochs:
         warmup = f"{b.warmup_epochs:g} epochs"
         if steps_per_epoch:
@@ -132,8 +132,14 @@ def _derived_rows(
     else:
         warmup = f"{b.warmup_steps} steps"
     if (b.warmup_steps or b.warmup_epochs) and b.warmup_scaling != "none":
-        warmup += (f" at batch {b.warmup_batch_size or b.base_batch_size}, x "
-                   f"{b.warmup_scaling}(batch ratio)")
+        at = f"{warmup.split(' = ')[0]} at batch {b.warmup_batch_size or b.base_batch_size}"
+        warmup = f"{b.warmup_scaling}-scaled from {at}"
+        if total_steps is not None and (steps_per_epoch or not b.warmup_epochs):
+            grown = grown_warmup(warmup_steps_of(b.warmup_steps, b.warmup_epochs,
+                                                 steps_per_epoch), b.warmup_scaling,
+                                 plan.global_batch_size,
+                                 b.warmup_batch_size or b.base_batch_size, total_steps)
+            warmup = f"{grown} steps, {warmup}"
     if b.warmup_steps or b.warmup_epochs:
         warmup += (" from 0" if b.warmup_start == "zero" else
                    f" from {warmup_start_lr(b.base_lr, plan.peak_lr):.6g}")
