@@ -82,7 +82,8 @@ class BatchConfig(_Section):
     """How warmup grows with the batch (MLPerf's LARS recipes warm up longer at 64k than at
     3k): warmup_epochs / warmup_steps as written hold at warmup_batch_size and are
     multiplied by the rule's factor of global / warmup_batch_size (linear, sqrt, none),
-    at most half the run. Default none: measured no better on MNIST-1D (docs/lr-find-study.md)."""
+    at most half the run. Default none: sqrt was no better for LARS on MNIST-1D at 8192
+    (docs/lr-find-study.md)."""
     warmup_batch_size: int | None = _f(None, ge=1)
     """The global batch the written warmup is for (warmup_scaling); unset: base_batch_size."""
     lr_find: bool = _f(False)
@@ -90,18 +91,22 @@ class BatchConfig(_Section):
     weights (the run's own workers; optimizer state and RNG of the real run untouched),
     then train from the original weights with the suggested peak LR in place of the
     scaled base LR. The suggestion is the LR of the smoothed loss's minimum before it
-    diverges, divided by lr_find_safety (2: the factor that held
-    for LARS, SGD, LAMB and AdamW on MNIST-1D and charlm, docs/lr-find-study.md); with no
-    clear descent the scaled base LR is kept with a one-line warning. Warmup, decay and
+    diverges, divided by lr_find_safety; with no clear descent the scaled base LR is
+    kept with a one-line warning (`bigbatch.train.lr_suggest`). Warmup, decay and
     final_lr_ratio apply to the found peak. The found LR, the curve (lr_find.json in the
     run directory) and the test's time are in the overview, summary.json and the
-    checkpoint: a resume never runs the test again."""
+    checkpoint: a resume never runs the test again. The sweep costs up to lr_find_steps
+    steps of the global batch: a few percent of a run of hundreds of steps, as much as
+    the run itself when the run has only a few dozen (docs/lr-find-study.md)."""
     lr_find_steps: int = _f(30, ge=5, le=100_000)
     """lr_find: optimizer steps of the sweep at most (it stops once the loss diverges)."""
     lr_find_range: tuple[float, ...] = _f((0.01, 100.0), gt=0)
     """lr_find: the first and last LR of the sweep as multiples of the scaled base LR."""
     lr_find_safety: float = _f(2.0, ge=1)
-    """lr_find: the suggested peak is the smoothed minimum's LR divided by this."""
+    """lr_find: the suggested peak is the smoothed minimum's LR divided by this. 2: LARS
+    with Fleet's untuned recipe gained most near the minimum (MNIST-1D), and LAMB gained
+    at 32x and 64x on charlm but lost at 8x, where its scaled LR was already good; a
+    larger factor is the safer side for Adam-type optimizers (docs/lr-find-study.md)."""
     elastic: str = _f("keep", choices=ELASTIC_MODES)
     """Resuming on another number of workers: keep the global batch (micro batch or k_steps
     adjust), or scale it with the world size (each worker's micro batch and k_steps kept,
