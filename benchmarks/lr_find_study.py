@@ -85,7 +85,8 @@ def study_dir(out: Path, task: str, mode: str, seed: int) -> Path:
 
 
 def run(out: Path, tasks: list[str], seeds: list[int], modes: list[str],
-        report_only: bool, batches: list[int] | None = None) -> None:
+        report_only: bool, batches: list[int] | None = None,
+        strategies: list[str] | None = None) -> None:
     for name in [t for t in tasks if t in PIECES]:
         run_study(StudyConfig(**piece_config(name), seed=0, threads=1, progress=False,
                               out=str(out / "pieces" / name)), run_missing=not report_only)
@@ -95,8 +96,10 @@ def run(out: Path, tasks: list[str], seeds: list[int], modes: list[str],
                 spec = dict(TASKS[task]["config"])
                 if batches:  # a part of the grid (the same cells)
                     spec["batches"] = [b for b in spec["batches"] if b in batches]
-                    if not spec["batches"]:
-                        continue
+                if strategies:
+                    spec["strategies"] = [n for n in spec["strategies"] if n in strategies]
+                if not spec["batches"] or not spec["strategies"]:
+                    continue
                 config = StudyConfig(**spec, seed=seed, threads=1,
                                      lr_find=mode == "lr_find", progress=False,
                                      out=str(study_dir(out, task, mode, seed)))
@@ -288,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--doc", default="docs/lr-find-study.md", help="the page to write")
     p.add_argument("--modes", default=",".join(MODES), help="of scaled, lr_find (default both)")
     p.add_argument("--batches", help="comma-separated: only these batches of the grid")
+    p.add_argument("--strategies", help="comma-separated: only these strategies (study names: "
+                   "lars, sgd, lamb)")
     p.add_argument("--report-only", action="store_true", help="write the page from what ran")
     p.add_argument("--from-json", action="store_true", help="write the page from the results "
                    "file beside it (DOC with .json), without OUT")
@@ -299,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         results = json.loads(data.read_text())["cells"]
     else:
         run(out, args.tasks.split(","), seeds, args.modes.split(","), args.report_only,
-            [int(b) for b in args.batches.split(",")] if args.batches else None)
+            [int(b) for b in args.batches.split(",")] if args.batches else None,
+            args.strategies.split(",") if args.strategies else None)
         results = collect(out)
         data.write_text(json.dumps({"command": COMMAND, "seeds": seeds, "cells": results},
                                    indent=1) + "\n")
