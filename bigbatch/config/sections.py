@@ -82,8 +82,8 @@ class BatchConfig(_Section):
     """How warmup grows with the batch (MLPerf's LARS recipes warm up longer at 64k than at
     3k): warmup_epochs / warmup_steps as written hold at warmup_batch_size and are
     multiplied by the rule's factor of global / warmup_batch_size (linear, sqrt, none),
-    at most half the run. Default none: sqrt was no better for LARS on MNIST-1D at 8192
-    (docs/lr-find-study.md)."""
+    at most half the run. Default none: sqrt showed no clear gain for LARS on MNIST-1D at
+    8192 (one seed, docs/lr-find-study.md)."""
     warmup_batch_size: int | None = _f(None, ge=1)
     """The global batch the written warmup is for (warmup_scaling); unset: base_batch_size."""
     lr_find: bool = _f(False)
@@ -104,9 +104,9 @@ class BatchConfig(_Section):
     """lr_find: the first and last LR of the sweep as multiples of the scaled base LR."""
     lr_find_safety: float = _f(2.0, ge=1)
     """lr_find: the suggested peak is the smoothed minimum's LR divided by this. 2: LARS
-    with Fleet's untuned recipe gained most near the minimum (MNIST-1D), and LAMB gained
-    at 32x and 64x on charlm but lost at 8x, where its scaled LR was already good; a
-    larger factor is the safer side for Adam-type optimizers (docs/lr-find-study.md)."""
+    with Fleet's untuned recipe (MNIST-1D), SGD and AdamW gained over their scaled LRs,
+    LAMB on charlm at 32x and 64x too, but LAMB lost at 8x, where its scaled LR was
+    already good: raise it there (docs/lr-find-study.md)."""
     elastic: str = _f("keep", choices=ELASTIC_MODES)
     """Resuming on another number of workers: keep the global batch (micro batch or k_steps
     adjust), or scale it with the world size (each worker's micro batch and k_steps kept,
