@@ -112,3 +112,15 @@ def test_the_overview_shows_the_found_peak_and_the_grown_warmup():
     found = {"peak_lr": 12.5, "time_s": 16.0, "fallback": False, "curve_file": "lr_find.json"}
     assert "12.5 (lr_find, 16 s; scaled 0.8)" in s.overview(1, lr_find=found)
     assert "0.8 (lr_find fell back to it)" in s.overview(1, lr_find={**found, "fallback": True})
+
+
+def test_a_fallback_is_one_warning_line_and_keeps_the_scaled_lr():
+    from bigbatch.train.lr_phase import FoundLR
+
+    found = FoundLR(peak_lr=0.8, scaled_lr=0.8, suggested_lr=None,
+                    reason="the loss showed no clear descent (drop 0.01, noise 0.02)",
+                    global_batch_size=2048, steps=30, time_s=3.0)
+    line = found.line()
+    assert line.startswith("warning: lr_find: the loss showed no clear descent")
+    assert "training with the scaled LR 0.8" in line and "\n" not in line
+    assert found.to_dict()["fallback"] and FoundLR.from_dict(found.to_dict()) == found
