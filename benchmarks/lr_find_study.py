@@ -202,7 +202,7 @@ def done_when(results: dict, seeds: list[int]) -> list[str]:
              a := mean("mnist1d", "lr_find", "lars", 2048), None if a is None else a >= 0.985),
             ("LARS, untuned recipe + lr_find, 8192, 10 epochs", ">= 91%",
              a := mean("mnist1d", "lr_find", "lars", 8192), None if a is None else a >= 0.91),
-            (f"the demo + lr_find, 8192, 16 epochs", f">= {100 * (reference - 0.01):.2f}% "
+            ("the demo + lr_find, 8192, 16 epochs", f">= {100 * (reference - 0.01):.2f}% "
              f"(batch 128: {100 * reference:.2f}%)", a := mean("demo", "lr_find", "lars", 8192, [0]),
              None if a is None else a >= reference - 0.01)]
     shares = []

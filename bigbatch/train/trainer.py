@@ -2,10 +2,9 @@
 
 `train(config, strategy)` runs in every worker (plain `python` for one, `torchrun`
 for many). Rank 0 shows progress and writes `OUT/`: `metrics.jsonl`,
-`summary.json`, `final.pt`, `strategy.toml`, `run.json`, `checkpoints/` (and the
-range test's `lr_find.json` with `[batch] lr_find`: `bigbatch.train.lr_phase`), holding
-the directory's lock for the run and recording every file it writes
-(`bigbatch.train.outdir`). A fresh run refuses a directory that holds a run unless
+`summary.json`, `final.pt`, `strategy.toml`, `run.json`, `checkpoints/` (`lr_find.json`:
+`bigbatch.train.lr_phase`), holding the directory's lock for the run and recording
+every file it writes (`bigbatch.train.outdir`). A fresh run refuses a directory that holds a run unless
 `overwrite`; a resume refuses settings the checkpoint was not trained with
 (`bigbatch.train.resume`). SIGTERM, SIGINT or SIGHUP stop the run after the current
 step with a checkpoint (`bigbatch.train.signals`).
