@@ -143,10 +143,16 @@ def table(results: dict, task: str, seeds: list[int]) -> list[str]:
              f"| optimizer | batch (x base {spec['base']}) | scaled LR | test {metric}, scaled "
              f"| LR found | test {metric}, lr_find | range test / rest of run: time (samples) |",
              "|---|---|---|---|---|---|---|"]
+    better = compared = 0
     for name, label in spec["strategies"].items():
         for batch in spec["config"]["batches"]:
             scaled = [s for seed in seeds if (s := _cell(results, task, "scaled", seed, name, batch))]
             found = [s for seed in seeds if (s := _cell(results, task, "lr_find", seed, name, batch))]
+            if scaled and found:
+                a, b = (statistics.fmean(c[f"test_{metric}"] for c in cells)
+                        for cells in (scaled, found))
+                compared += 1
+                better += (b > a) if metric == "accuracy" else (b < a)
             records = [f["lr_find"] for f in found]
             lr_text = _lrs([r["peak_lr"] for r in records])
             if fallbacks := sum(r["fallback"] for r in records):
@@ -164,6 +170,9 @@ def table(results: dict, task: str, seeds: list[int]) -> list[str]:
                 _fmt([f[f"test_{metric}"] for f in found], metric),
                 f"{statistics.fmean(shares):.0%} ({statistics.fmean(samples):.0%})" if shares
                 else "-"]) + " |")
+    if compared:
+        lines += ["", f"lr_find did better than the scaled LR in {better} of the {compared} rows "
+                  "measured both ways (mean over seeds)."]
     return lines
 
 
