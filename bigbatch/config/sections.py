@@ -96,17 +96,18 @@ class BatchConfig(_Section):
     final_lr_ratio apply to the found peak. The found LR, the curve (lr_find.json in the
     run directory) and the test's time are in the overview, summary.json and the
     checkpoint: a resume never runs the test again. The sweep costs up to lr_find_steps
-    steps of the global batch: a few percent of a run of hundreds of steps, as much as
-    the run itself when the run has only a few dozen (docs/lr-find-study.md)."""
+    steps of the global batch: about a seventh of a run of 190 steps, as much as the run
+    itself when the run has only a few dozen (docs/lr-find-study.md)."""
     lr_find_steps: int = _f(30, ge=5, le=100_000)
     """lr_find: optimizer steps of the sweep at most (it stops once the loss diverges)."""
     lr_find_range: tuple[float, ...] = _f((0.01, 100.0), gt=0)
     """lr_find: the first and last LR of the sweep as multiples of the scaled base LR."""
     lr_find_safety: float = _f(2.0, ge=1)
-    """lr_find: the suggested peak is the smoothed minimum's LR divided by this. 2: LARS
-    with Fleet's untuned recipe (MNIST-1D), SGD and AdamW gained over their scaled LRs,
-    LAMB on charlm at 32x and 64x too, but LAMB lost at 8x, where its scaled LR was
-    already good: raise it there (docs/lr-find-study.md)."""
+    """lr_find: the suggested peak is the smoothed minimum's LR divided by this. With 2,
+    SGD (MNIST-1D) and AdamW (charlm) beat their scaled LRs at 8x, 32x and 64x, LARS with
+    Fleet's untuned recipe at 8x and 32x, LAMB at 32x and 64x; LAMB lost at 8x, where its
+    scaled LR was already good (raise the factor there), and LARS at 64x and the tuned
+    demo at 8192 came out level with their scaled LRs (docs/lr-find-study.md)."""
     elastic: str = _f("keep", choices=ELASTIC_MODES)
     """Resuming on another number of workers: keep the global batch (micro batch or k_steps
     adjust), or scale it with the world size (each worker's micro batch and k_steps kept,
