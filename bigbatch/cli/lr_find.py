@@ -21,7 +21,8 @@ LR_FIND_HELP = "LR range test at the target global batch: suggest base_lr and it
 LR_FIND_DESCRIPTION = (
     "Train a built-in task for a few hundred steps with the learning rate growing "
     "exponentially, at the strategy's global batch (one process, gradient merge), and "
-    "suggest the peak LR where the smoothed loss falls fastest; says which scaling rule "
+    "suggest the peak LR (the smoothed loss's minimum before divergence over a safety "
+    "factor, or none when the curve shows no clear descent); says which scaling rule "
     "(linear, sqrt) that LR implies from the recipe's base batch and LR.")
 
 
@@ -32,9 +33,10 @@ def add_lr_find_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                         help="first LR (default 1e-5)")
     parser.add_argument("--max", dest="lr_max", type=float, default=10.0,
                         help="last LR (default 10)")
-    parser.add_argument("--smoothing", type=float, default=0.98,
-                        help="weight of the past in the loss's moving average, in [0, 1) "
-                        "(default 0.98; lower follows a short sweep more closely)")
+    parser.add_argument("--smoothing", type=float, default=None,
+                        help="plot an exponential moving average with this weight of the past, "
+                        "in [0, 1) (fastai's 0.98), instead of the centred average the "
+                        "suggestion reads (default; it does not lag on short sweeps)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--out", default="runs/lr-find", help="output folder "
                         "(default runs/lr-find)")
@@ -48,7 +50,7 @@ def _check(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if not (math.isfinite(value) and value > 0):
             raise ConfigError(f"--{name[3:]}={value} is out of range; allowed: > 0, finite")
-    if not 0 <= args.smoothing < 1:
+    if args.smoothing is not None and not 0 <= args.smoothing < 1:
         raise ConfigError(f"--smoothing={args.smoothing} is out of range; allowed: [0, 1)")
     if args.lr_min >= args.lr_max:
         raise ConfigError(f"--min={args.lr_min} must be below --max={args.lr_max}")

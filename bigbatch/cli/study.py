@@ -95,6 +95,8 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
       "(default 4)")
     a("--set", dest="overrides", metavar="[STRATEGY:]SECTION.KEY=VALUE", action="append",
       default=[], help="override a strategy key in every cell, or in one strategy's cells")
+    a("--lr-find", action="store_true", help="every cell runs the LR range test before "
+      "training and trains at the LR it finds ([batch] lr_find = true)")
     a("--seed", type=_seed, help="seed of every cell (default 0)")
     a("--nproc", type=_positive_int, metavar="N", help="workers per cell (default 1: in-process)")
     a("--threads", type=_positive_int, metavar="N", help="torch threads per worker (default: "
@@ -160,6 +162,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
     values.update({k: v for k, v in given.items() if v is not None})
     if args.no_progress:
         values["progress"] = False
+    if args.lr_find:
+        values["lr_find"] = True
     if args.quick and "out" not in values:
         values["out"] = "runs/study-quick"
     try:

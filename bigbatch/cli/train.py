@@ -94,6 +94,10 @@ def add_train_arguments(t: argparse.ArgumentParser) -> None:
     t.add_argument("--nan-policy", choices=("stop", "skip"),
                    help="on a non-finite loss (fp32/bf16): stop with an error, exit 1 "
                    "(default), or skip the step (stops after 10 in a row)")
+    t.add_argument("--lr-find", action="store_true",
+                   help="run the LR range test at the global batch before training and train "
+                   "at the peak LR it finds (= --set batch.lr_find=true; a resume keeps the "
+                   "LR found)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard event files")
     launch = t.add_argument_group("launch (torchrun)")
@@ -176,6 +180,8 @@ def resolve(args: argparse.Namespace):
     overrides = list(args.overrides)
     if args.timeout is not None:
         overrides.append(f"data_parallel.timeout_s={args.timeout}")
+    if args.lr_find:
+        overrides.append("batch.lr_find=true")
     strategy = strategy.with_overrides(overrides)
     if config.model is not None and config.model not in cls.models:
         raise ConfigError(

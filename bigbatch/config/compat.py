@@ -18,6 +18,7 @@ from typing import Any
 
 from bigbatch.config.comm import LOSSY, local_sgd_section, reduce_mode
 from bigbatch.config.conflict import NO_CONTEXT, Conflict, Context
+from bigbatch.config.lr_find_rows import LR_FIND_ROWS
 from bigbatch.errors import ConfigError
 
 __all__ = ["CONFLICTS", "Conflict", "Context", "check", "conflicts"]
@@ -336,6 +337,7 @@ CONFLICTS: tuple[Conflict, ...] = (
       "unequal micro batches bias its per-worker estimate", 'use action = "warn" or "stop" there',
       {"adaptive": {"policies": ["straggler"], "noise_scale": True},
        "straggler": {"action": "rebalance"}}),
+    *LR_FIND_ROWS,  # the LR range test before training
     # prepare(): the model and the worker
     C("own-optimizer-lars-lamb", "[lars] or [lamb]", "prepare(optimizer=...)",
       lambda s, c: c.own_optimizer and (s.lars.enable or s.lamb.enable),

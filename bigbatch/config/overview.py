@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from bigbatch.config.parallelism import Degrees, degrees
-from bigbatch.config.schedules import warmup_start_lr
+from bigbatch.config.schedules import grown_warmup, warmup_start_lr, warmup_steps_of
 from bigbatch.config.sections import KEYS, SECTIONS
 
 __all__ = ["render_overview", "strategy_overview"]
@@ -78,9 +79,11 @@ def strategy_overview(
     *,
     steps_per_epoch: int | None = None,
     total_steps: int | None = None,
+    lr_find: Mapping[str, Any] | None = None,
 ) -> str:
     """`Strategy.overview`: the Fleet-style "DistributedStrategy Overview" table plus the
-    derived numbers.
+    derived numbers; `lr_find`: what the range test found (`batch.lr_find`), shown as the
+    peak LR.
 
     Plain ASCII, 80 columns: reads the same in a terminal and in a log file.
     """
@@ -103,7 +106,7 @@ def strategy_overview(
     blocks.append(
         (
             f"derived (world_size={world_size})",
-            _derived_rows(strategy, plan, steps_per_epoch, total_steps, deg),
+            _derived_rows(strategy, plan, steps_per_epoch, total_steps, deg, lr_find),
         )
     )
     return render_overview("bigbatch DistributedStrategy Overview", blocks)
@@ -111,15 +114,32 @@ def strategy_overview(
 
 def _derived_rows(
     strategy: Any, plan: Any, steps_per_epoch: int | None, total_steps: int | None,
-    deg: Degrees,
+    deg: Degrees, lr_find: Mapping[str, Any] | None = None,
 ) -> list[tuple[str, Any]]:
     b = strategy.batch
+    peak = f"{plan.peak_lr:.6g} = {b.base_lr:g} x {b.scaling}({plan.scale:g})"
+    if lr_find is not None and not lr_find["fallback"]:
+        peak = (f"{lr_find['peak_lr']:.4g} (lr_find, {lr_find['time_s']:.0f} s; scaled "
+                f"{plan.peak_lr:.4g})")
+    elif lr_find is not None:
+        peak = f"{plan.peak_lr:.6g} (lr_find fell back to it)"
+    elif b.lr_find:
+        peak = f"found by lr_find (scaled: {plan.peak_lr:.4g})"
     if b.warmup_epochs:
         warmup = f"{b.warmup_epochs:g} epochs"
         if steps_per_epoch:
             warmup += f" = {round(b.warmup_epochs * steps_per_epoch)} steps"
     else:
         warmup = f"{b.warmup_steps} steps"
+    if (b.warmup_steps or b.warmup_epochs) and b.warmup_scaling != "none":
+        at = f"{warmup.split(' = ')[0]} at batch {b.warmup_batch_size or b.base_batch_size}"
+        warmup = f"{b.warmup_scaling}-scaled from {at}"
+        if total_steps is not None and (steps_per_epoch or not b.warmup_epochs):
+            grown = grown_warmup(warmup_steps_of(b.warmup_steps, b.warmup_epochs,
+                                                 steps_per_epoch), b.warmup_scaling,
+                                 plan.global_batch_size,
+                                 b.warmup_batch_size or b.base_batch_size, total_steps)
+            warmup = f"{grown} steps, {warmup}"
     if b.warmup_steps or b.warmup_epochs:
         warmup += (" from 0" if b.warmup_start == "zero" else
                    f" from {warmup_start_lr(b.base_lr, plan.peak_lr):.6g}")
@@ -134,7 +154,7 @@ def _derived_rows(
             f"{plan.micro_batch_size} x {plan.k_steps} x {plan.world_size}",
         ),
         ("scale", f"{plan.scale:g} = {plan.global_batch_size} / {b.base_batch_size}"),
-        ("peak_lr", f"{plan.peak_lr:.6g} = {b.base_lr:g} x {b.scaling}({plan.scale:g})"),
+        ("peak_lr", peak),
         ("warmup", warmup),
         ("decay", _decay_text(b)),
         ("optimizer", _optimizer_text(strategy)),

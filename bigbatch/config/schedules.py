@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bigbatch.config.scaling import scale_factor
 from bigbatch.errors import ConfigError
 
 DECAYS = ("cosine", "poly", "step", "none")
@@ -137,6 +138,9 @@ class Schedule:
         """
         b = strategy.batch
         warmup = warmup_steps_of(b.warmup_steps, b.warmup_epochs, steps_per_epoch)
+        if (rule := getattr(b, "warmup_scaling", "none")) != "none":
+            warmup = grown_warmup(warmup, rule, plan.global_batch_size,
+                                  b.warmup_batch_size or b.base_batch_size, total_steps)
         if total_steps >= 1 and warmup > total_steps:
             key, value = (("batch.warmup_epochs", f"{b.warmup_epochs:g}") if b.warmup_epochs
                           else ("batch.warmup_steps", str(b.warmup_steps)))
@@ -235,3 +239,18 @@ def scaled_warmup(warmup_steps: int, run_steps: int, recipe_steps: int) -> int:
     if warmup_steps <= 0 or run_steps >= recipe_steps:
         return warmup_steps
     return max(1, min(run_steps, round(warmup_steps * run_steps / recipe_steps)))
+
+
+def grown_warmup(warmup_steps: int, rule: str, global_batch_size: int,
+                 warmup_batch_size: int, total_steps: int) -> int:
+    """Warmup that grows with the batch (``batch.warmup_scaling``): `warmup_steps` holds at
+    `warmup_batch_size` and is multiplied by `rule`'s factor of the ratio of the batches
+    (`bigbatch.config.scaling`), at most half of `total_steps`; as given with rule none.
+
+    >>> grown_warmup(10, "sqrt", 4096, 1024, 1000)
+    20
+    """
+    if rule == "none" or warmup_steps == 0:
+        return warmup_steps
+    grown = round(warmup_steps * scale_factor(global_batch_size / warmup_batch_size, rule))
+    return max(1, min(grown, total_steps // 2))

@@ -312,13 +312,15 @@ class Strategy:
         *,
         steps_per_epoch: int | None = None,
         total_steps: int | None = None,
+        lr_find: Mapping[str, Any] | None = None,
     ) -> str:
-        """Fleet-style "DistributedStrategy Overview" table plus the derived numbers.
+        """Fleet-style "DistributedStrategy Overview" table plus the derived numbers
+        (`lr_find`: the range test's record, `bigbatch.train.lr_phase.FoundLR.to_dict()`).
 
         Plain ASCII, 80 columns: reads the same in a terminal and in a log file.
         """
         return strategy_overview(self, world_size, steps_per_epoch=steps_per_epoch,
-                                 total_steps=total_steps)
+                                 total_steps=total_steps, lr_find=lr_find)
 
     def max_grad_norm(self) -> float | None:
         """The global-norm clip in force: optimizer.max_grad_norm, or its alias

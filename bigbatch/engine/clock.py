@@ -3,7 +3,8 @@
 The LR the optimizer sees is ``schedule.lr(progress) * lr_scale`` times a param
 group's own ``lr_scale``. Everything that moves one of those factors goes through
 this object's methods: the step (`advance`), a batch change (`rescale`), AdaScale
-(`set_gain`), a policy (`set_lr_scale`) and a resume (`load_state_dict`). `apply`
+(`set_gain`), a policy (`set_lr_scale`), the LR range test (`set_peak_lr`) and a resume
+(`load_state_dict`). `apply`
 is the only code that writes ``param_group["lr"]``.
 """
 
@@ -18,7 +19,7 @@ from bigbatch.config.schedules import warmup_start_lr
 
 __all__ = ["ScheduleClock"]
 
-_STATE_KEYS = ("step", "skipped_steps", "progress", "progress_rate", "lr_scale")
+_STATE_KEYS = ("step", "skipped_steps", "progress", "progress_rate", "lr_scale", "peak_factor")
 
 
 class ScheduleClock:
@@ -50,6 +51,8 @@ class ScheduleClock:
         """Schedule units per step taken (AdaScale's gain; global / unit after a batch change)."""
         self.lr_scale = 1.0
         """Multiplier on top of the schedule (AdaScale, policies)."""
+        self.peak_factor = 1.0
+        """The range test's peak LR over the configured one (`batch.lr_find`); 1: none."""
         self.last_lr = schedule.lr(0)
         """The LR of the latest `apply` (before a group's own ``lr_scale``)."""
         self.apply()
@@ -103,21 +106,41 @@ class ScheduleClock:
         self.lr_scale = float(lr_scale)
 
     def rescale(self, plan: Any, strategy: Any) -> None:
-        """A new global batch: the peak follows `batch.scaling` (`plan.peak_lr`), warmup
-        keeps its start rule, and a step counts ``global / unit`` schedule units."""
+        """A new global batch: the peak follows `batch.scaling` (`plan.peak_lr`, times
+        `peak_factor`), warmup keeps its start rule, and a step counts ``global / unit``
+        schedule units."""
+        self._repeak(plan.peak_lr * self.peak_factor, strategy)
+        self.progress_rate = plan.global_batch_size / self.unit_batch_size
+
+    def set_peak_lr(self, peak_lr: float, strategy: Any) -> None:
+        """`batch.lr_find`: `peak_lr` in place of the peak the schedule has for the batch in
+        force; a later batch change scales it by `batch.scaling` as it would the configured
+        one. Warmup keeps its start rule; the LR is written at once."""
+        configured = self.schedule.peak_lr / self.peak_factor
+        self._set_peak_factor(peak_lr / configured, strategy)
+
+    def _set_peak_factor(self, factor: float, strategy: Any) -> None:
+        configured = self.schedule.peak_lr / self.peak_factor
+        self.peak_factor = float(factor)
+        self._repeak(configured * self.peak_factor, strategy)
+        self.apply()
+
+    def _repeak(self, peak_lr: float, strategy: Any) -> None:
         b = strategy.batch
         self.schedule = dataclasses.replace(
-            self._base, peak_lr=plan.peak_lr,
-            warmup_start_lr=warmup_start_lr(b.base_lr, plan.peak_lr, b.warmup_start,
+            self._base, peak_lr=peak_lr,
+            warmup_start_lr=warmup_start_lr(b.base_lr, peak_lr, b.warmup_start,
                                             self._base.warmup_steps))
-        self.progress_rate = plan.global_batch_size / self.unit_batch_size
 
     def state_dict(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in _STATE_KEYS}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], strategy: Any = None) -> None:
         """Counters and position from a checkpoint (`rescale` afterwards if the batch moved);
-        the LR is written again at once."""
+        with `strategy`, also the range test's peak (`peak_factor`; 1 in checkpoints older
+        than `batch.lr_find`). The LR is written again at once."""
+        if strategy is not None:
+            self._set_peak_factor(float(state.get("peak_factor", 1.0)), strategy)
         self.step = int(state["step"])
         self._held, self._flagged = int(state["skipped_steps"]), None
         self.progress = float(state["progress"])

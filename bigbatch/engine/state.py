@@ -103,7 +103,7 @@ def load_state_dict(run: Any, state: dict[str, Any], comm: Any) -> None:
         run.optimizer.load_state_dict(state["optimizer"])
     if run.scaler is not None and state.get("scaler") is not None:
         run.scaler.load_state_dict(state["scaler"])
-    run.clock.load_state_dict(state)
+    run.clock.load_state_dict(state, run.strategy)
     run.window.reset()
     if (plan.global_batch_size, plan.micro_batch_size, plan.k_steps) != (
             run.plan.global_batch_size, run.plan.micro_batch_size, run.k_steps):

@@ -50,6 +50,10 @@ class StudyConfig:
     """Test evaluations per epoch (steps-to-target are interpolated between them)."""
     overrides: dict[str, list[str]] = field(default_factory=dict)
     """Strategy name (or "all") -> `section.key=value` overrides of its cells."""
+    lr_find: bool = False
+    """Every cell runs the LR range test at its batch before training and trains at the
+    peak LR it finds (`[batch] lr_find = true`), instead of the recipe's LR scaled by the
+    strategy's rule; the found LR is in each cell's summary.json."""
     seed: int = field(default=0, metadata=SEED_RULE)
     """Seed of every cell (same init and data order)."""
     nproc: int = field(default=1, metadata={"ge": 1, "le": 4096})

@@ -19,6 +19,7 @@ class Grid(Protocol):
     micro_batch_size: int
     nproc: int
     overrides: dict[str, list[str]]
+    lr_find: bool
 
 
 STRATEGIES = ("sgd", "lars", "lamb", "adascale", "kfac")
@@ -62,6 +63,8 @@ def cell_strategy(c: Grid, recipe: Any, name: str, batch: int) -> Any:
         opt["momentum"] = recipe.momentum
     else:
         opt.update(beta1=recipe.momentum, epsilon=1e-6)
+    if getattr(c, "lr_find", False):
+        b["lr_find"] = True
     d: dict[str, Any] = {"batch": b, "optimizer": opt, "gradient_merge": {"avg": True},
                          "adaptive": {"noise_scale": True}}
     if name == "lars":

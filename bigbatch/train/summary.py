@@ -11,11 +11,12 @@ __all__ = ["run_summary"]
 
 def run_summary(*, task: Any, model: str, metrics: dict[str, float], steps: int, epochs: float,
                 samples: int, plan: Any, world_size: int, strategy: Any, seed: int,
-                wall_time_s: float, samples_per_s: float | None,
+                wall_time_s: float, samples_per_s: float | None, peak_lr: float | None = None,
                 **extra: Any) -> dict[str, Any]:
     """The summary's common keys (the task, its test metrics, the batch plan, the run's
     length and speed, the small-batch reference of the same epochs), then `extra`, then
-    the strategy."""
+    the strategy. `peak_lr`: the peak the run trained with, where not the plan's
+    (`batch.lr_find`)."""
     return {
         "task": task.name,
         "model": model,
@@ -29,7 +30,7 @@ def run_summary(*, task: Any, model: str, metrics: dict[str, float], steps: int,
         "k_steps": plan.k_steps,
         "world_size": world_size,
         "optimizer": strategy.optimizer_name(),
-        "peak_lr": plan.peak_lr,
+        "peak_lr": plan.peak_lr if peak_lr is None else peak_lr,
         "seed": seed,
         "wall_time_s": wall_time_s,
         "samples_per_s": samples_per_s,

@@ -2,9 +2,9 @@
 
 `train(config, strategy)` runs in every worker (plain `python` for one, `torchrun`
 for many). Rank 0 shows progress and writes `OUT/`: `metrics.jsonl`,
-`summary.json`, `final.pt`, `strategy.toml`, `run.json`, `checkpoints/`, holding
-the directory's lock for the run and recording every file it writes
-(`bigbatch.train.outdir`). A fresh run refuses a directory that holds a run unless
+`summary.json`, `final.pt`, `strategy.toml`, `run.json`, `checkpoints/` (`lr_find.json`:
+`bigbatch.train.lr_phase`), holding the directory's lock for the run and recording
+every file it writes (`bigbatch.train.outdir`). A fresh run refuses a directory that holds a run unless
 `overwrite`; a resume refuses settings the checkpoint was not trained with
 (`bigbatch.train.resume`). SIGTERM, SIGINT or SIGHUP stop the run after the current
 step with a checkpoint (`bigbatch.train.signals`).
@@ -30,9 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bigbatch.config.elastic import resume_line
 from bigbatch.config.strategy import Strategy
-from bigbatch.engine.optimizer import exclusion_summary
 from bigbatch.engine.prepare import prepare
 from bigbatch.engine.saving import rng_state
 from bigbatch.errors import PolicyStop
@@ -54,6 +52,8 @@ from bigbatch.train.checkpoint import (
 )
 from bigbatch.train.checkpointer import Checkpointer
 from bigbatch.train.config import MAX_NONFINITE_SKIPS, TrainConfig
+from bigbatch.train.header import header_lines
+from bigbatch.train.lr_phase import CURVE_FILE, lr_find_phase
 from bigbatch.train.nonfinite import NonFiniteGuard
 from bigbatch.train.outdir import RUN_FILE, prepare_out
 from bigbatch.train.pipeline_eval import evaluate_pipeline
@@ -146,9 +146,13 @@ class _Trainer:
         self.guard = (NonFiniteGuard(config.nan_policy, world, world.device,
                                        MAX_NONFINITE_SKIPS, config.out)
                       if run.scaler is None and run.pipeline is None else None)
+        self.lr_found, curve = None, None  # [batch] lr_find: FoundLR as a dict, its curve
         if ckpt is not None:
             self._restore(ckpt)
-        else:  # per-worker streams (dropout), shared by tensor-parallel peers
+        else:  # the range test, then per-worker streams (dropout) shared by TP peers
+            self.lr_found, curve = lr_find_phase(task, self.model_name, run.module.state_dict(),
+                                                 run.clock, strategy, plan, world, config.seed,
+                                                 spe)
             data.seed_everything(config.seed * 1000 + run.mesh.data_rank + 1)
         self._follow_plan()
         step_units = self.sampler.steps_per_epoch
@@ -160,31 +164,22 @@ class _Trainer:
             self.files.begin(overwrite=config.overwrite and not config.resume)
             self._write("strategy.toml", strategy.to_toml())
             self._write(RUN_FILE, json.dumps(config.to_dict(), indent=2) + "\n")
+            if curve is not None:
+                self._write(CURVE_FILE, curve)
             self.writer = MetricsWriter(self.out, tensorboard=config.tensorboard,
                                         resume_step=run.step if ckpt is not None else None,
                                         files=self.files)
         self.bar = ProgressBar(self.total_steps, int(run.progress), enabled=self.main,
                                bar=config.progress)
-        if ckpt is not None:
-            self.bar.print(f"resuming {self.out} from step {run.step} (epoch "
-                           f"{self.sampler.epoch}, sample {self.sampler.position})")
-            moved = resume_line(saved, run.plan, run.world.world_size,
-                                                 run.unit_batch_size, strategy) if saved is not None else None
-            if moved:
-                self.bar.print(moved)
-        else:
-            self.bar.print(strategy.overview(world.world_size, steps_per_epoch=spe,
-                                             total_steps=self.total_steps))
-            if warmup_note is not None:
-                self.bar.print(warmup_note)
-            pipe = run.pipeline  # each stage holds a part of the model: count it whole
-            whole = {} if pipe is None else {"group": run.mesh.pp_group,
-                                             "skip": pipe.counted_elsewhere()}
-            self.bar.print(exclusion_summary(run.optimizer, **whole))
+        for line in header_lines(run, strategy, self.out, self.sampler, saved, spe,
+                                 self.total_steps, self.lr_found, warmup_note,
+                                 resumed=ckpt is not None):
+            self.bar.print(line)
 
     def _restore(self, ckpt: dict) -> None:
         self.checkpoints.restore(ckpt, self.run, self.sampler, self.config.seed)
         self.samples = int(ckpt.get("samples", 0))
+        self.lr_found = ckpt.get("lr_find")  # the peak itself is in the clock's state
         self.elapsed_before = float(ckpt.get("wall_time_s", 0.0))
         if self.guard is not None:
             self.guard.skipped = int(ckpt.get("nonfinite_skipped_steps", 0))
@@ -374,7 +369,8 @@ class _Trainer:
         """The trainer's part of a checkpoint (taken as it is written)."""
         return {"strategy": self.strategy.to_dict(), "config": self.config.to_dict(),
                 "wall_time_s": self.elapsed_before + time.perf_counter() - self.t_start,
-                "nonfinite_skipped_steps": self.guard.skipped if self.guard else 0}
+                "nonfinite_skipped_steps": self.guard.skipped if self.guard else 0,
+                "lr_find": self.lr_found}
 
     def _finish(self, metrics: dict[str, float], step_time: float) -> dict[str, Any]:
         run, plan, task = self.run, self.run.plan, self.task
@@ -390,7 +386,8 @@ class _Trainer:
             batch_size_changes=list(run.batch_size_changes),
             time_s={"steps": step_time, "compute": timer["compute"], "eval": timer["eval"],
                     "checkpoint": timer["checkpoint"]},
-            overhead_share=1.0 - timer["compute"] / step_time if step_time > 0 else None)
+            overhead_share=1.0 - timer["compute"] / step_time if step_time > 0 else None,
+            lr_find=self.lr_found, peak_lr=self.lr_found["peak_lr"] if self.lr_found else None)
         sync_buffers(run.module, self.world, run.mesh.dp_group)
         self.checkpoints.save_final(run)
         if self.main:
