@@ -329,6 +329,7 @@ def _metrics(out, kind):
             if x["kind"] == kind]
 
 
+@pytest.mark.slow  # ~40 s: three processes, a signal and a resume
 def test_async_parameter_server_counts_global_batches_and_resumes_after_sigterm(
         cache, tmp_path):
     """A step is one global batch (both workers' gradients applied) in --steps, the

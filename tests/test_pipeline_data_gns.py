@@ -168,6 +168,7 @@ def _job_args(out, steps, *extra):
             "--set", "adaptive.noise_scale=true", *extra]
 
 
+@pytest.mark.slow  # test_pipeline_gns.py has the fast one
 def test_main_job_writes_the_noise_scale(tmp_path, capfd):
     import re
 

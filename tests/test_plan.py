@@ -226,6 +226,7 @@ def test_cli_refuses_in_one_line(tmp_path, args, message):
     assert len(lines) == 1 and message in lines[0], p.stderr
 
 
+@pytest.mark.slow  # plans every candidate layout (~18 s)
 def test_cli_suggest_lists_fitting_layouts(tmp_path):
     p = run_cli([*CHARLM, "--world", "4", "--gpu-memory", "0.008", "--suggest"], tmp_path)
     assert p.returncode == 0, p.stderr

@@ -210,6 +210,7 @@ def _hang_on_rank1(argv, cache):
     return code, err.getvalue(), time.monotonic() - t0
 
 
+@pytest.mark.slow  # waits out a hung peer (~17 s)
 def test_hung_peer_ends_the_run_with_one_line(tmp_path):
     from bigbatch.tasks import get_task
     from tests._dist import run_workers

@@ -131,6 +131,7 @@ def _slow_down(rank: int, stop_s: float, run_s: float):
     return start
 
 
+@pytest.mark.slow  # ~30 s of real slowness
 def test_worker_slowed_by_sigstop_is_flagged_within_3_windows():
     interval = 10
     # Compute well above the all-reduce, so that most stops land in compute: fewer windows
@@ -150,6 +151,7 @@ def test_worker_slowed_by_sigstop_is_flagged_within_3_windows():
     assert straggler["rank"] == 1 and straggler["host"]
 
 
+@pytest.mark.slow
 def test_even_workers_are_never_flagged_over_200_steps():  # 6 s quiet, ~25 s loaded
     r0, r1 = run_workers(_detect_worker, 2, (200, 20, 3), timeout=240)  # the defaults
     assert r0["steps"] == r1["steps"] == 200

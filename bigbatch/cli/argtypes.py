@@ -13,7 +13,13 @@ EXIT_USAGE = 2
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one line (exit 2), not the usage block."""
+    """An ArgumentParser whose usage errors are one line (exit 2), not the usage block,
+    and which takes no abbreviated flags: with them a mistyped ``--lr 0.1`` would be read
+    as ``--lr-find`` and the error would name the stray value instead of the flag."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
