@@ -219,6 +219,29 @@ def test_rendezvous_host_that_does_not_resolve(tmp_path, cache):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_second_ctrl_c_during_a_checkpoint_write_lets_it_finish():
+    """Real SIGINTs to this process: the first asks for a stop; a second one while a
+    checkpoint is being written interrupts only once the write is done (torch.save
+    would turn it into a torn file and a misleading 'saving checkpoint failed')."""
+    from bigbatch.parallel.world import World
+    from bigbatch.train.signals import StopSignals
+
+    stop, done = StopSignals(World()), []
+    with stop.installed():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        assert stop.requested == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            with stop.writing():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)  # the handler has run by now
+                done.append("written")
+        assert done == ["written"]
+        with pytest.raises(KeyboardInterrupt):  # outside a write: at once
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)
+
+
 def test_a_second_ctrl_c_says_which_checkpoint_there_is(cache, tmp_path):
     """Ctrl-C twice: at once, without the stop's checkpoint; the line names the newest one
     written (what --resume starts from). The CNN's steps are long enough (a tenth of a

@@ -109,12 +109,30 @@ class StopSignals:
         self.world = world
         self.requested: int | None = None
         self._flag = torch.zeros(1, dtype=torch.int64, device=world.device)
+        self._writing, self._interrupted = 0, False
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested is not None and signum == signal.SIGINT:
+            if self._writing:  # not inside a write: torch.save would tear the file
+                self._interrupted = True
+                return
             raise KeyboardInterrupt  # asked twice: at once
         if self.requested is None:
             self.requested = signum
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """A checkpoint is being written: a second Ctrl-C during the block interrupts
+        when it ends (torch.save turns an exception raised inside its write into a torn
+        file and a misleading error), so what was being saved is saved whole."""
+        self._writing += 1
+        try:
+            yield
+        finally:
+            self._writing -= 1
+        if self._interrupted and not self._writing:
+            self._interrupted = False
+            raise KeyboardInterrupt
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopSignals]:

@@ -362,7 +362,8 @@ class _Trainer:
     def checkpoint(self) -> None:
         t0 = time.perf_counter()
         rngs = gather(rng_state(), self.world)
-        self.checkpoints.save(self.run, self.sampler, self.samples, rngs, self._counters)
+        with self.stop.writing():  # a second Ctrl-C waits for the file to be whole
+            self.checkpoints.save(self.run, self.sampler, self.samples, rngs, self._counters)
         self.timer["checkpoint"] += time.perf_counter() - t0
 
     def _counters(self) -> dict[str, Any]:
