@@ -231,11 +231,10 @@ def test_a_second_ctrl_c_during_a_checkpoint_write_lets_it_finish():
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.05)
         assert stop.requested == signal.SIGINT
-        with pytest.raises(KeyboardInterrupt):
-            with stop.writing():
-                os.kill(os.getpid(), signal.SIGINT)
-                time.sleep(0.05)  # the handler has run by now
-                done.append("written")
+        with pytest.raises(KeyboardInterrupt), stop.writing():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler has run by now
+            done.append("written")
         assert done == ["written"]
         with pytest.raises(KeyboardInterrupt):  # outside a write: at once
             os.kill(os.getpid(), signal.SIGINT)
