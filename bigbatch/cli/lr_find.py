@@ -71,7 +71,8 @@ def run_lr_find_command(args: argparse.Namespace) -> int:
     from bigbatch.study.lr_find import lr_find, plot_lr_find
     from bigbatch.tasks import get_task
     from bigbatch.tasks.sampler import GlobalBatchSampler
-    from bigbatch.train.data import fetch, seed_everything
+    from bigbatch.train.data import seed_everything
+    from bigbatch.train.lr_phase import endless, task_step
 
     _check(args)
     task = get_task(args.task, **task_options(args.task_options))
@@ -89,24 +90,9 @@ def run_lr_find_command(args: argparse.Namespace) -> int:
     sampler = GlobalBatchSampler(len(task.train_set), plan.global_batch_size,
                                  plan.micro_batch_size, 1, 0, args.seed)
 
-    def batches():
-        while True:
-            yield from sampler
-            sampler.next_epoch()
-
-    def one_step(run, micro_batches) -> float:
-        total = count = 0.0
-        for idx in micro_batches:
-            batch = fetch(task.train_set, idx, world.device)
-            with run.micro_step() as ms:
-                loss_sum, n = task.loss(run.model(batch[0]), batch)
-                ms.backward(loss_sum, count=n)
-            total += float(loss_sum.detach())
-            count += float(n)
-        return total / max(count, 1.0)
-
     with torch.random.fork_rng():
-        result = lr_find(run, batches(), one_step, lr_min=args.lr_min, lr_max=args.lr_max,
+        result = lr_find(run, endless(sampler), task_step(task, world.device),
+                         lr_min=args.lr_min, lr_max=args.lr_max,
                          steps=args.steps, smoothing=args.smoothing)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ from bigbatch.tasks.sampler import GlobalBatchSampler
 from bigbatch.train import data
 from bigbatch.train.lr_range import LRFind, lr_find
 
-__all__ = ["CURVE_FILE", "FoundLR", "find_peak_lr", "lr_find_phase"]
+__all__ = ["CURVE_FILE", "FoundLR", "endless", "find_peak_lr", "lr_find_phase", "task_step"]
 
 CURVE_FILE = "lr_find.json"
 """The sweep's curve in the run directory (`LRFind.to_dict()` plus the `FoundLR`)."""
@@ -77,6 +77,31 @@ class FoundLR:
                 f"{self.time_s:.1f} s, curve: {self.curve_file}")
 
 
+def endless(sampler: Any) -> Any:
+    """The sampler's global batches, epoch after epoch (a sweep stops by itself)."""
+    while True:
+        yield from sampler
+        sampler.next_epoch()
+
+
+def task_step(task: Any, device: torch.device) -> Any:
+    """One sweep step of a built-in task: `(run, micro_batches) -> mean loss`, every
+    micro-batch through `run.micro_step()` with its summed loss and item count."""
+
+    def one_step(run: Any, micro_batches: list[torch.Tensor]) -> float:
+        total = count = 0.0
+        for idx in micro_batches:
+            batch = data.fetch(task.train_set, idx, device)
+            with run.micro_step() as ms:
+                loss_sum, n = task.loss(run.model(batch[0]), batch)
+                ms.backward(loss_sum, count=n)
+            total += float(loss_sum.detach())
+            count += float(n)
+        return total / max(count, 1.0)
+
+    return one_step
+
+
 def find_peak_lr(task: Any, model_name: str, initial: dict[str, torch.Tensor], strategy: Any,
                  plan: Any, world: Any, seed: int,
                  steps_per_epoch: int | None) -> tuple[FoundLR, LRFind]:
@@ -95,25 +120,10 @@ def find_peak_lr(task: Any, model_name: str, initial: dict[str, torch.Tensor], s
                                  plan.micro_batch_size, run.mesh.data_degree,
                                  run.mesh.data_rank, seed)
 
-    def batches():
-        while True:
-            yield from sampler
-            sampler.next_epoch()
-
-    def one_step(run: Any, micro_batches: list[torch.Tensor]) -> float:
-        total = count = 0.0
-        for idx in micro_batches:
-            batch = data.fetch(task.train_set, idx, world.device)
-            with run.micro_step() as ms:
-                loss_sum, n = task.loss(run.model(batch[0]), batch)
-                ms.backward(loss_sum, count=n)
-            total += float(loss_sum.detach())
-            count += float(n)
-        return total / max(count, 1.0)
-
+    one_step = task_step(task, world.device)
     lo, hi = b.lr_find_range
     with torch.random.fork_rng(devices=[world.device] if world.device.type == "cuda" else []):
-        result = lr_find(run, batches(), one_step, lr_min=plan.peak_lr * lo,
+        result = lr_find(run, endless(sampler), one_step, lr_min=plan.peak_lr * lo,
                          lr_max=plan.peak_lr * hi, steps=b.lr_find_steps,
                          safety=b.lr_find_safety)
     del run, model  # the copy's DDP reducer goes before the run's own is used
