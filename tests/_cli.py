@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -123,6 +124,31 @@ def children(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             kids.append(int(stat.parent.name))
     return kids
+
+
+@contextlib.contextmanager
+def job(args: list[str], cache: Path) -> Iterator[subprocess.Popen]:
+    """`bigbatch ARGS` running; whatever happens, its session is killed at the end."""
+    proc = start_cli(args, cache)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+def worker_pid(launcher_pid: int, rank: int) -> int | None:
+    """The pid of worker `rank` under `bigbatch train` (torchrun's agent runs in it), or None."""
+    for pid in children(launcher_pid):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env:
+            return pid
+    return None
 
 
 def running(pid: int) -> bool:

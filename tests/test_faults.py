@@ -19,9 +19,9 @@ from tests._cli import (
     assert_one_line,
     assert_same_weights,
     children,
+    job,
     run_cli,
     running,
-    start_cli,
     temp_files,
     tmpfs,
     wait_for_checkpoint,
@@ -51,19 +51,6 @@ def reference(tmp_path_factory, cache):
     return out
 
 
-@contextlib.contextmanager
-def _job(args, cache):
-    """`bigbatch ARGS` running; whatever happens, its session is killed at the end."""
-    proc = start_cli(args, cache)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-
-
 def _stopped_step(err):
     return int(err.strip().splitlines()[-1].split("after step ")[1].split(";")[0])
 
@@ -78,7 +65,7 @@ STOPS = [(signal.SIGTERM, 143), (signal.SIGINT, 130),
 def test_signal_stops_after_the_step_with_a_checkpoint_and_resume_is_exact(
         sig, status, reference, cache, tmp_path):
     out = tmp_path / "cut"
-    with _job([*RUN, "--out", str(out)], cache) as proc:
+    with job([*RUN, "--out", str(out)], cache) as proc:
         wait_for_checkpoint(out, proc)
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
@@ -100,7 +87,7 @@ def test_sigterm_to_the_launcher_stops_every_worker_and_resume_is_exact(tmp_path
     full, cut = tmp_path / "full", tmp_path / "cut"
     p = run_cli([*args, "--out", str(full)], cache)
     assert p.returncode == 0, p.stderr[-3000:]
-    with _job([*args, "--out", str(cut)], cache) as proc:
+    with job([*args, "--out", str(cut)], cache) as proc:
         wait_for_checkpoint(cut, proc)
         workers = children(proc.pid)
         assert len(workers) == 2
@@ -122,7 +109,7 @@ def test_a_second_job_is_refused_and_a_killed_launcher_takes_its_workers_along(
         tmp_path, cache):
     out = tmp_path / "run"
     long = ["train", "--nproc", "2", *TINY, "--steps", "1000000", "--checkpoint-every", "10"]
-    with _job([*long, "--out", str(out)], cache) as proc:
+    with job([*long, "--out", str(out)], cache) as proc:
         wait_for_checkpoint(out, proc)
         workers = children(proc.pid)
         assert len(workers) == 2, workers
@@ -249,7 +236,7 @@ def test_a_second_ctrl_c_says_which_checkpoint_there_is(cache, tmp_path):
     out = tmp_path / "twice"
     slow = ["train", "--nproc", "1", *TINY, "--model", "cnn", "--set",
             "batch.global_batch_size=256", "--steps", "300", "--checkpoint-every", "2"]
-    with _job([*slow, "--out", str(out)], cache) as proc:
+    with job([*slow, "--out", str(out)], cache) as proc:
         wait_for_checkpoint(out, proc)
         proc.send_signal(signal.SIGINT)
         time.sleep(0.05)

@@ -28,10 +28,11 @@ from tests._cli import (
     assert_one_line,
     assert_same_weights,
     children,
+    job,
     run_cli,
-    start_cli,
     temp_files,
     tmpfs,
+    worker_pid,
 )
 
 CHARLM = ["--task", "charlm", "--task-opt", "seq_len=16", "--task-opt", "d_model=32",
@@ -205,18 +206,6 @@ def test_no_checkpoint_whose_shards_every_rank_verified_is_one_line_and_exit_1(
 
 # -------------------------------- a full disk, then a save killed mid-way, then resume
 
-@contextlib.contextmanager
-def _job(args, cache):
-    proc = start_cli(args, cache)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-
-
 def _kill_mid_save(out, proc, workers, timeout=180):
     """Freeze every worker (SIGSTOP) once a sharded save has written a file into its
     temporary folder, then SIGKILL the job: what a crash in the middle of a save leaves.
@@ -291,7 +280,7 @@ def test_full_disk_then_a_killed_save_then_resume_is_exact(mode, references, cac
         assert _record(out)["temp_dirs"] == []
 
         subprocess.run(["mount", "-o", "remount,size=40m", str(disk)], check=True)
-        with _job([*args, "--resume", "--checkpoint-every", "1"], cache) as proc:
+        with job([*args, "--resume", "--checkpoint-every", "1"], cache) as proc:
             tmp = _kill_mid_save(out, proc, MODES[mode][0])
         assert tmp.is_dir() and any(is_dcp_file(x.name) for x in tmp.iterdir())
         assert f"checkpoints/{tmp.name}" in _record(out)["temp_dirs"]  # recorded first
@@ -309,7 +298,7 @@ def test_overwrite_after_a_killed_save_is_not_refused_for_its_temporary_folder(
         references, cache, tmp_path):
     out = tmp_path / "run"
     args = [*_args("zero3", "--checkpoint-every", "1"), "--out", str(out)]
-    with _job(args, cache) as proc:
+    with job(args, cache) as proc:
         tmp = _kill_mid_save(out, proc, 2)
     assert f"checkpoints/{tmp.name}" in _record(out)["temp_dirs"]
     p = run_cli([*_args("zero3"), "--out", str(out), "--overwrite"], cache)
@@ -339,7 +328,7 @@ def test_async_parameter_server_counts_global_batches_and_resumes_after_sigterm(
 
     out, steps = tmp_path / "ps", 60
     args = [*PS_ASYNC, "--steps", str(steps), "--out", str(out)]
-    with _job(args, cache) as proc:
+    with job(args, cache) as proc:
         deadline = time.monotonic() + 180
         while not list((out / "checkpoints").glob("step-*.json")):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
@@ -366,17 +355,6 @@ def test_async_parameter_server_counts_global_batches_and_resumes_after_sigterm(
     assert train[-1]["step"] == steps and all(x["step"] <= steps for x in train)
 
 
-def _worker_pid(launcher_pid, rank):
-    for pid in children(launcher_pid):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env:
-            return pid
-    return None
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["async", "sync"])
 @pytest.mark.parametrize("restarts", [0, 1])
@@ -391,13 +369,13 @@ def test_a_lost_parameter_server_worker_ends_or_restarts_within_the_timeout(
             "--set", f"parameter_server.mode={mode}", *TINY, "--checkpoint-every", "5",
             "--steps", "120", "--timeout", str(timeout), "--max-restarts", str(restarts),
             "--out", str(out)]
-    with _job(args, cache) as proc:
+    with job(args, cache) as proc:
         deadline = time.monotonic() + 180
         victim = None
         while victim is None:
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
             if list((out / "checkpoints").glob("step-*.json")):
-                victim = _worker_pid(proc.pid, 2)
+                victim = worker_pid(proc.pid, 2)
             time.sleep(0.02)
         os.kill(victim, signal.SIGKILL)
         t0 = time.monotonic()

@@ -20,7 +20,7 @@ from bigbatch.config.strategy import Strategy
 from bigbatch.train.checkpoint import latest_checkpoint, load_checkpoint
 from bigbatch.train.nonfinite import NonFiniteLossError
 from bigbatch.train.trainer import TrainConfig, train
-from tests._cli import children
+from tests._cli import worker_pid
 
 T = importlib.import_module("bigbatch.train.plan")  # where the main job builds its task
 
@@ -161,18 +161,6 @@ def _env(tmp_path, **extra):
     return env
 
 
-def _worker_pid(launcher_pid, rank):
-    """The pid of worker `rank` under `bigbatch train` (torchrun's agent runs in it), or None."""
-    for pid in children(launcher_pid):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env:
-            return pid
-    return None
-
-
 def _hang_on_rank1(argv, cache):
     import contextlib
     import io
@@ -263,12 +251,12 @@ def _train_and_signal_rank1(tmp_path, out, sig, *args):
         print(f"{sig.name} to rank 1 after step {at}'s checkpoint")
         while time.monotonic() < deadline and proc.poll() is None:
             ckpts = [int(p.stem[5:]) for p in (out / "checkpoints").glob("step-*.pt")]
-            victim = _worker_pid(proc.pid, rank=1) if max(ckpts, default=0) >= at else None
+            victim = worker_pid(proc.pid, rank=1) if max(ckpts, default=0) >= at else None
             if victim is not None:
                 break
             time.sleep(0.1)
         assert victim is not None, f"no worker to signal (launcher exit code {proc.poll()})"
-        workers |= {victim, _worker_pid(proc.pid, rank=0)} - {None}
+        workers |= {victim, worker_pid(proc.pid, rank=0)} - {None}
         os.kill(victim, sig)
         sent = time.monotonic()
         assert not (out / "final.pt").exists(), "finished before the signal"
@@ -276,7 +264,7 @@ def _train_and_signal_rank1(tmp_path, out, sig, *args):
         return proc.returncode, output, time.monotonic() - sent
     finally:
         if proc.poll() is None:  # the workers of now, then the launcher (no more restarts)
-            workers |= {_worker_pid(proc.pid, rank=r) for r in (0, 1)} - {None}
+            workers |= {worker_pid(proc.pid, rank=r) for r in (0, 1)} - {None}
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
         for pid in workers:
