@@ -71,11 +71,10 @@ class LossScaler:
         the step on all (the flags are max-reduced over the world)."""
         self._device = torch.device(device_type)
         # The scale and Fleet's counters live on the device; `_good`/`_bad` are the
-        # consecutive finite/overflow steps, `_skipped` the overflow steps this scaler saw.
+        # consecutive finite/overflow steps.
         self._scale = torch.full((), float(init_scale), dtype=torch.float32, device=self._device)
         self._good = torch.zeros((), dtype=torch.int64, device=self._device)
         self._bad = torch.zeros((), dtype=torch.int64, device=self._device)
-        self._skipped = torch.zeros((), dtype=torch.int64, device=self._device)
         self.scaler = torch.amp.GradScaler(
             device_type,
             init_scale=float(init_scale),
@@ -96,10 +95,6 @@ class LossScaler:
     @property
     def bad_steps(self) -> int:
         return int(self._bad)
-
-    def skipped_steps(self) -> int:
-        """Overflow steps this scaler has seen (reads the device)."""
-        return int(self._skipped)
 
     @classmethod
     def from_config(cls, amp: Any, device_type: str, sharded: bool = False) -> LossScaler:
@@ -138,11 +133,9 @@ class LossScaler:
         """Advance the counters after one optimizer step (taken or skipped), from the
         step's overflow flag, with tensor operations only (no host read)."""
         bad = found_inf > 0
-        self._skipped += bad
         if self.dynamic:
-            one = torch.ones_like(self._good)
-            self._good = torch.where(bad, 0, self._good + one)
-            self._bad = torch.where(bad, self._bad + one, 0)
+            self._good = torch.where(bad, 0, self._good + 1)
+            self._bad = torch.where(bad, self._bad + 1, 0)
             back_off = self._bad == self.decr_every_n_nan_or_inf
             self._scale = torch.where(back_off, (self._scale * self.decr_ratio).clamp_min(1.0),
                                       self._scale)

@@ -390,7 +390,8 @@ class _Trainer:
             overhead_share=1.0 - timer["compute"] / step_time if step_time > 0 else None,
             lr_find=self.lr_found, peak_lr=self.lr_found["peak_lr"] if self.lr_found else None)
         sync_buffers(run.module, self.world, run.mesh.dp_group)
-        self.checkpoints.save_final(run)
+        with self.stop.writing():
+            self.checkpoints.save_final(run)
         if self.main:
             self._write("summary.json", json.dumps(summary, indent=2) + "\n")
             self.writer.close()
