@@ -4,8 +4,7 @@ The LR the optimizer sees is ``schedule.lr(progress) * lr_scale`` times a param
 group's own ``lr_scale``. Everything that moves one of those factors goes through
 this object's methods: the step (`advance`), a batch change (`rescale`), AdaScale
 (`set_gain`), a policy (`set_lr_scale`), the LR range test (`set_peak_lr`) and a resume
-(`load_state_dict`). `apply`
-is the only code that writes ``param_group["lr"]``.
+(`load_state_dict`). `apply` is the only code that writes ``param_group["lr"]``.
 """
 
 from __future__ import annotations
