@@ -31,6 +31,8 @@ BASES = {
                  micro_batch_size=1024, warmup_epochs=2, evals_per_epoch=1,
                  overrides={"all": ["adaptive.noise_scale=false"]}),
 }
+BASES["lars2048"] = dict(BASES["lars"], batches=[2048])
+BASES["demo4096"] = dict(BASES["demo"], batches=[4096], micro_batch_size=512)
 
 # name: (base, lr_find, extra overrides, task options)
 VARIANTS = {
@@ -64,6 +66,37 @@ VARIANTS = {
     "demo-find-nesterov": ("demo", True, ["optimizer.nesterov=true"], {}),
     "demo-scaled-wsqrt": ("demo", False, ["batch.warmup_scaling=\"sqrt\"",
                                           "batch.warmup_batch_size=2048"], {}),
+    "demo-scaled-poly2": ("demo", False, ["batch.decay=\"poly\"", "batch.decay_power=2.0"], {}),
+    "demo-find-poly2-s1.5": ("demo", True, ["batch.decay=\"poly\"", "batch.decay_power=2.0",
+                                            "batch.lr_find_safety=1.5"], {}),
+    "demo-find-poly2-s3": ("demo", True, ["batch.decay=\"poly\"", "batch.decay_power=2.0",
+                                          "batch.lr_find_safety=3.0"], {}),
+    "demo-find-poly2-steps15": ("demo", True, ["batch.decay=\"poly\"", "batch.decay_power=2.0",
+                                               "batch.lr_find_steps=15"], {}),
+    "demo-find-poly3": ("demo", True, ["batch.decay=\"poly\"", "batch.decay_power=3.0"], {}),
+    "lars-find-adapt-poly2": ("lars", True, ["lars.always_adapt=true", "batch.decay=\"poly\"",
+                                             "batch.decay_power=2.0"], {}),
+    "lars-find-adapt-s1.5": ("lars", True, ["lars.always_adapt=true",
+                                            "batch.lr_find_safety=1.5"], {}),
+    "lars-find-s1": ("lars", True, ["batch.lr_find_safety=1.0"], {}),
+    "lars-find-nesterov-w1": ("lars", True, ["optimizer.nesterov=true", "batch.warmup_epochs=1"], {}),
+    "lars-find-nesterov-steps15": ("lars", True, ["optimizer.nesterov=true",
+                                                  "batch.lr_find_steps=15"], {}),
+    "lars-scaled-nesterov": ("lars", False, ["optimizer.nesterov=true"], {}),
+    "demo-scaled-nesterov": ("demo", False, ["optimizer.nesterov=true"], {}),
+    "demo-find-nesterov-poly2": ("demo", True, ["optimizer.nesterov=true", "batch.decay=\"poly\"",
+                                                "batch.decay_power=2.0"], {}),
+    "demo-find-nesterov-steps15": ("demo", True, ["optimizer.nesterov=true",
+                                                  "batch.lr_find_steps=15"], {}),
+    "demo-find-nesterov-w1": ("demo", True, ["optimizer.nesterov=true", "batch.warmup_epochs=1"], {}),
+    "lars2048-find": ("lars2048", True, [], {}),
+    "lars2048-find-nesterov": ("lars2048", True, ["optimizer.nesterov=true"], {}),
+    "lars2048-find-nesterov-steps15": ("lars2048", True, ["optimizer.nesterov=true",
+                                                          "batch.lr_find_steps=15"], {}),
+    "demo4096-scaled": ("demo4096", False, [], {}),
+    "demo4096-scaled-nesterov": ("demo4096", False, ["optimizer.nesterov=true"], {}),
+    "demo4096-find-nesterov-steps15": ("demo4096", True, ["optimizer.nesterov=true",
+                                                          "batch.lr_find_steps=15"], {}),
 }
 
 
@@ -75,7 +108,7 @@ def run_variant(out: Path, name: str, seed: int) -> dict:
     config = StudyConfig(**spec, seed=seed, threads=None, lr_find=find, progress=False,
                          out=str(out / name / f"s{seed}"))
     run_study(config)
-    summary = json.loads((out / name / f"s{seed}" / "cells" / "lars-b8192" /
+    summary = json.loads((out / name / f"s{seed}" / "cells" / f"lars-b{spec['batches'][0]}" /
                           "summary.json").read_text())
     return summary
 

@@ -102,6 +102,34 @@ def assert_same(a: list[torch.Tensor], b: list[torch.Tensor], rtol: float = 1e-1
         torch.testing.assert_close(p, q, rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("nesterov", [None, False, True])
+def test_lars_momentum_is_nesterov_unless_set_off(nesterov):
+    """The engine's LARS steps equal bigbatch.optim.LARS's with the Nesterov setting in
+    force: on when optimizer.nesterov is unset."""
+    from bigbatch.optim import LARS
+
+    s = strategy("lars", global_batch=64, lars={"lars_coeff": 0.02},
+                 optimizer={} if nesterov is None else {"nesterov": nesterov})
+    on = nesterov is not False
+    x, y = make_data(steps=3, n=64)
+    run = prepare(make_model(), s, total_steps=3, world=ONE)
+    assert {g["nesterov"] for g in run.optimizer.param_groups} == {on}
+    model = make_model()
+    ref = LARS(model.named_parameters(), lr=0.0, momentum=0.9, trust_coefficient=0.02,
+               weight_decay=s.lars.lars_weight_decay, exclude=("bias",), nesterov=on)
+    lrs: list[float] = []
+    run.optimizer.register_step_pre_hook(lambda o, a, kw: lrs.append(o.param_groups[0]["lr"]))
+    for step in range(3):
+        with run.micro_step() as ms:
+            ms.backward(F.cross_entropy(run.model(x[step]), y[step]))
+        for g in ref.param_groups:
+            g["lr"] = lrs[-1]
+        ref.zero_grad()
+        F.cross_entropy(model(x[step]), y[step]).backward()
+        ref.step()
+    assert_same(params_of(run.model), params_of(model))
+
+
 # ---------------------------------------------------------------- gradient merge
 
 

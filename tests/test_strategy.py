@@ -537,3 +537,22 @@ def test_from_toml_path_forms(tmp_path, monkeypatch):
     assert "cannot read strategy file nope.cfg" in error("nope.cfg")
     assert Strategy.from_toml("") == Strategy()
     assert Strategy.from_toml("batch.base_lr = 0.2").batch.base_lr == 0.2  # one-line TOML text
+
+
+@pytest.mark.parametrize("toml, nesterov", [
+    ("[lars]\nlars_coeff = 0.001", True),                         # LARS, unset: Nesterov
+    ("[lars]\n[optimizer]\nnesterov = false", False),             # Fleet's heavy-ball, asked for
+    ("[lars]\n[optimizer]\nmomentum = 0.0", False),               # no momentum, no Nesterov
+    ("[lars]\n[kfac]", True),                                     # K-FAC before LARS
+    ("[lars]\nenable = false", False),
+    ("[optimizer]\nmomentum = 0.9", False),                       # plain SGD: torch's default
+    ("[optimizer]\nnesterov = true", True),
+])
+def test_nesterov_unset_is_on_under_lars_only(toml, nesterov):
+    s = Strategy.from_toml(toml)
+    assert s.nesterov is nesterov
+    again = Strategy.from_toml(s.to_toml())       # the run's strategy.toml keeps it unset
+    assert again == s and again.nesterov is nesterov
+    row = next(line for line in s.overview(1).splitlines() if " nesterov " in line)
+    assert str(nesterov).lower() in row
+    assert ("unset" in row) is ("nesterov" not in toml)

@@ -252,7 +252,7 @@ CONFLICTS: tuple[Conflict, ...] = (
       values=lambda s, c: {"name": "[lars]" if s.lars.enable else "[lamb]" if s.lamb.enable
                            else f'optimizer.type="{s.optimizer.type}"'}),
     C("dgc-nesterov", 'data_parallel.reduce = "dgc" ([dgc])', "optimizer.nesterov",
-      lambda s, c: reduce_mode(s) == "dgc" and s.optimizer.nesterov,
+      lambda s, c: reduce_mode(s) == "dgc" and s.optimizer.nesterov is True,
       'data_parallel.reduce="dgc" with optimizer.nesterov=true: {reason}; {fix}',
       "DGC's momentum correction is plain momentum", "set nesterov = false",
       {"data_parallel": {"reduce": "dgc"}, "optimizer": {"nesterov": True}}),

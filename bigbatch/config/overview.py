@@ -102,6 +102,9 @@ def strategy_overview(
         hidden = _UNUSED.get(section.type, ()) if name == "optimizer" else ()
         rows = [(k, _shown(k, getattr(section, k))) for k in KEYS[name]
                 if k not in ("enable", *hidden)]
+        if name == "optimizer" and section.nesterov is None and "nesterov" not in hidden:
+            rows = [(k, f"{str(strategy.nesterov).lower()} (unset: on with LARS)"
+                     if k == "nesterov" else v) for k, v in rows]
         blocks.append((title, rows))
     blocks.append(
         (
@@ -167,7 +170,7 @@ def _derived_rows(
 def _optimizer_text(strategy: Any) -> str:
     o = strategy.optimizer
     if o.type == "momentum":
-        inner = f"momentum {o.momentum:g}" + (", nesterov" if o.nesterov else "")
+        inner = f"momentum {o.momentum:g}" + (", nesterov" if strategy.nesterov else "")
     else:
         inner = f"betas ({o.beta1:g}, {o.beta2:g}), eps {o.epsilon:g}"
     return f"{strategy.optimizer_name()} ({inner})"

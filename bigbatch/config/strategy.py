@@ -329,6 +329,15 @@ class Strategy:
             return self.lamb.max_grad_norm
         return self.optimizer.max_grad_norm
 
+    @property
+    def nesterov(self) -> bool:
+        """Nesterov momentum in force: optimizer.nesterov, or when unset, on for LARS
+        with momentum > 0 (`OptimizerConfig.nesterov` says why)."""
+        o = self.optimizer
+        if o.nesterov is not None:
+            return o.nesterov
+        return self.lars.enable and o.momentum > 0
+
     def optimizer_name(self) -> str:
         """The optimizer the engine builds: ``LARS``, ``LAMB``, ``momentum`` or ``adamw``
         (``K-FAC + momentum``, ``K-FAC + LARS`` with [kfac])."""

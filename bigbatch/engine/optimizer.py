@@ -111,7 +111,7 @@ def _recipe(model: nn.Module, strategy: Any, lr: float
             weight_decay=lars.lars_weight_decay,
             trust_coefficient=lars.lars_coeff,
             eps=lars.epsilon,
-            nesterov=o.nesterov,
+            nesterov=strategy.nesterov,
             trust_clip=lars.trust_clip,
             always_adapt=lars.always_adapt,
         ), _patterns(lars.exclude_from_weight_decay)
@@ -132,7 +132,7 @@ def _recipe(model: nn.Module, strategy: Any, lr: float
         return torch.optim.SGD, dict(
             lr=lr,
             momentum=o.momentum,
-            nesterov=o.nesterov,
+            nesterov=strategy.nesterov,
             weight_decay=o.weight_decay,
             **fast,
         ), exclude
