@@ -104,11 +104,9 @@ class BatchConfig(_Section):
     lr_find_range: tuple[float, ...] = _f((0.01, 100.0), gt=0)
     """lr_find: the first and last LR of the sweep as multiples of the scaled base LR."""
     lr_find_safety: float = _f(2.0, ge=1)
-    """lr_find: the suggested peak is the smoothed minimum's LR divided by this. With 2,
-    SGD (MNIST-1D) and AdamW (charlm) beat their scaled LRs at 8x, 32x and 64x, LARS with
-    Fleet's untuned recipe at 8x and 32x, LAMB at 32x and 64x; LAMB lost at 8x, where its
-    scaled LR was already good (raise the factor there), and LARS at 64x and the tuned
-    demo at 8192 came out level with their scaled LRs (docs/lr-find-study.md)."""
+    """lr_find: the suggested peak is the smoothed minimum's LR divided by this. 2 beat 1,
+    1.5, 3 and 4 for LARS at 32x (benchmarks/NOTES-lr-find.md); per task and batch,
+    docs/lr-find-study.md."""
     elastic: str = _f("keep", choices=ELASTIC_MODES)
     """Resuming on another number of workers: keep the global batch (micro batch or k_steps
     adjust), or scale it with the world size (each worker's micro batch and k_steps kept,
