@@ -13,14 +13,14 @@ finished sweep (`suggest`).
   from 1.5 never reaches 4x).
 - **The suggestion** is the LR at the smoothed minimum before divergence divided by a
   safety factor (`SAFETY`, 2), not the steepest descent (fastai's default): on a sweep
-  of a few dozen steps from the initial weights the steepest point sits well below the
-  largest LR that still trains, and LARS with Fleet's untuned recipe on MNIST-1D trained
-  about as well at the minimum itself as at half of it (trial runs at 2048 and 8192
-  before the study). A schedule holds its peak for many steps, through curvature that
-  grows as the loss falls, which SGD and Adam feel more than the layer-wise optimizers:
-  hence 2, not 1. Where the rule helped and where it did not: docs/lr-find-study.md.
+  of 15-30 steps from the initial weights the steepest point sits well below the
+  largest LR that still trains. A schedule holds its peak for many steps, through
+  curvature that grows as the loss falls: LARS with Fleet's untuned recipe at 8192 on
+  MNIST-1D lost 27 points at the minimum itself, and 1, 2 and 4 points at 1.5, 3 and 4
+  against 2 (benchmarks/NOTES-lr-find.md). Where the rule helped and where it did not:
+  docs/lr-find-study.md.
 - **No clear descent** (a flat curve, one that rises from the first step, or a drop no
-  larger than the curve's own noise): no suggestion; the caller falls back (the trainer
+  larger than 3x the curve's own noise, measured where the loss is not above its start): no suggestion; the caller falls back (the trainer
   to the scaled base LR) and says so in one line.
 """
 
@@ -71,8 +71,12 @@ def smooth(losses: Sequence[float]) -> list[float]:
 
 
 def _noise(losses: Sequence[float], smoothed: Sequence[float]) -> float:
-    """The curve's own noise: the median absolute residual around its smoothing."""
-    return statistics.median(abs(a - b) for a, b in zip(losses, smoothed, strict=True))
+    """The curve's own noise: the median absolute residual around its smoothing, over
+    the points not above the first (a loss blowing up past the minimum is not noise:
+    on a 15-step sweep of SGD it is half the points), or over all when that leaves < 3."""
+    pairs = list(zip(losses, smoothed, strict=True))
+    calm = [(a, b) for a, b in pairs if a <= losses[0]]
+    return statistics.median(abs(a - b) for a, b in (calm if len(calm) >= 3 else pairs))
 
 
 def diverged(losses: Sequence[float], diverge: float = DIVERGE) -> int | None:
