@@ -251,7 +251,8 @@ def page(results: dict, seeds: list[int]) -> str:
         "runs the LR range test at the run's global batch before training: from a copy of the",
         "initial weights, on the run's own workers, the LR grows exponentially from "
         f"{lo:g}x to {hi:g}x",
-        f"the scaled LR over at most {b.lr_find_steps} steps and stops once the loss diverges "
+        "the scaled LR over at most 15 steps (momentum SGD, LARS; 30 for AdamW, LAMB:",
+        "`batch.lr_find_steps`) and stops once the loss diverges "
         f"(not finite, {DIVERGE:g}x",
         "its best, or back above where it started). The curve is smoothed by a centred moving",
         "average (no lag on a short sweep), and the run trains from its original initial weights",
@@ -264,7 +265,8 @@ def page(results: dict, seeds: list[int]) -> str:
         "",
         "Each row below trains one task at one global batch for the same epochs twice per seed:",
         "with the base recipe's LR scaled by its rule (linear for LARS, SGD and AdamW, square",
-        "root for LAMB), and with `lr_find = true`. Values are the mean over seeds "
+        "root for LAMB), and with `lr_find = true`; LARS with `[lars]`'s default Nesterov",
+        "momentum. Values are the mean over seeds "
         f"{', '.join(map(str, seeds))},",
         "each seed in brackets; the last column is the range test's wall time over the rest of",
         "its run (mean over seeds; on a shared, busy CPU), and in brackets the samples it",

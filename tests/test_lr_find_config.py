@@ -124,3 +124,15 @@ def test_a_fallback_is_one_warning_line_and_keeps_the_scaled_lr():
     assert line.startswith("warning: lr_find: the loss showed no clear descent")
     assert "training with the scaled LR 0.8" in line and "\n" not in line
     assert found.to_dict()["fallback"] and FoundLR.from_dict(found.to_dict()) == found
+
+
+@pytest.mark.parametrize("toml, steps", [
+    ("[lars]", 15), ("[optimizer]\ntype = 'momentum'", 15),
+    ("[optimizer]\ntype = 'adamw'", 30), ("[lamb]\n[optimizer]\ntype = 'adamw'", 30),
+    ("[lamb]\n[optimizer]\ntype = 'adamw'\n[batch]\nlr_find_steps = 12", 12),
+])
+def test_the_sweep_is_15_steps_for_momentum_and_30_for_adam_unless_set(toml, steps):
+    s = Strategy.from_toml(toml)
+    assert s.lr_find_steps == steps
+    row = next(line for line in s.overview(1).splitlines() if "lr_find_steps" in line)
+    assert f" {steps} " in row and ("unset" in row) is ("lr_find_steps" not in toml)

@@ -63,6 +63,15 @@ def _shown(key: str, value: Any) -> Any:
     return value
 
 
+def _resolved(strategy: Any, section: str, key: str, shown: Any) -> Any:
+    """An unset key whose value follows other keys, as the run will use it."""
+    if section == "optimizer" and key == "nesterov" and shown is None:
+        return f"{str(strategy.nesterov).lower()} (unset: on with LARS)"
+    if section == "batch" and key == "lr_find_steps" and shown is None:
+        return f"{strategy.lr_find_steps} (unset: 15, adamw 30)"
+    return shown
+
+
 def _decay_text(b: Any) -> str:
     if b.decay == "step":
         return f"step: x{b.decay_gamma:g} at {', '.join(f'{m:g}' for m in b.decay_milestones)}"
@@ -102,9 +111,7 @@ def strategy_overview(
         hidden = _UNUSED.get(section.type, ()) if name == "optimizer" else ()
         rows = [(k, _shown(k, getattr(section, k))) for k in KEYS[name]
                 if k not in ("enable", *hidden)]
-        if name == "optimizer" and section.nesterov is None and "nesterov" not in hidden:
-            rows = [(k, f"{str(strategy.nesterov).lower()} (unset: on with LARS)"
-                     if k == "nesterov" else v) for k, v in rows]
+        rows = [(k, _resolved(strategy, name, k, v)) for k, v in rows]
         blocks.append((title, rows))
     blocks.append(
         (

@@ -96,11 +96,14 @@ class BatchConfig(_Section):
     final_lr_ratio apply to the found peak. The found LR, the curve (lr_find.json in the
     run directory) and the test's time are in the overview, summary.json and the
     checkpoint: a resume never runs the test again. The sweep costs up to lr_find_steps
-    steps of the global batch: a fixed cost, under 15% of a run of 100 steps or more, a
+    steps of the global batch: a fixed cost, under 15% of a run of 150 steps or more, a
     third of a run of 50 (docs/lr-find-study.md)."""
-    lr_find_steps: int = _f(15, ge=5, le=100_000)
+    lr_find_steps: int | None = _f(None, ge=5, le=100_000)
     """lr_find: optimizer steps of the sweep at most (it stops once the loss diverges).
-    15 found LRs as good as 30 did (better at 64x, with Nesterov LARS) at half the cost."""
+    Unset: 15 for momentum SGD and LARS, 30 for AdamW and LAMB. A shorter sweep finds a
+    larger LR: at 15 steps LARS and SGD did as well as at 30 or better (half the cost),
+    AdamW and LAMB found LRs 2-4x larger and trained worse, LAMB at 32x diverged
+    (docs/lr-find-study.md, benchmarks/NOTES-lr-find.md)."""
     lr_find_range: tuple[float, ...] = _f((0.01, 100.0), gt=0)
     """lr_find: the first and last LR of the sweep as multiples of the scaled base LR."""
     lr_find_safety: float = _f(2.0, ge=1)

@@ -338,6 +338,13 @@ class Strategy:
             return o.nesterov
         return self.lars.enable and o.momentum > 0
 
+    @property
+    def lr_find_steps(self) -> int:
+        """The range test's sweep length in force: batch.lr_find_steps, or when unset, 15
+        for momentum SGD and LARS, 30 for AdamW and LAMB (`BatchConfig.lr_find_steps`)."""
+        steps = self.batch.lr_find_steps
+        return steps if steps is not None else 30 if self.optimizer.type == "adamw" else 15
+
     def optimizer_name(self) -> str:
         """The optimizer the engine builds: ``LARS``, ``LAMB``, ``momentum`` or ``adamw``
         (``K-FAC + momentum``, ``K-FAC + LARS`` with [kfac])."""

@@ -114,7 +114,7 @@ def find_peak_lr(task: Any, model_name: str, initial: dict[str, torch.Tensor], s
     # A flat schedule: the sweep sets each step's LR itself, as a multiple of the schedule's.
     flat = dataclasses.replace(b, warmup_steps=0, warmup_epochs=0.0, decay="none")
     sweep_strategy = dataclasses.replace(strategy, batch=flat, adaptive=AdaptiveConfig())
-    run = prepare(model, sweep_strategy, total_steps=b.lr_find_steps,
+    run = prepare(model, sweep_strategy, total_steps=strategy.lr_find_steps,
                   steps_per_epoch=steps_per_epoch, world=world, plan=plan)
     sampler = GlobalBatchSampler(len(task.train_set), plan.global_batch_size,
                                  plan.micro_batch_size, run.mesh.data_degree,
@@ -124,7 +124,7 @@ def find_peak_lr(task: Any, model_name: str, initial: dict[str, torch.Tensor], s
     lo, hi = b.lr_find_range
     with torch.random.fork_rng(devices=[world.device] if world.device.type == "cuda" else []):
         result = lr_find(run, endless(sampler), one_step, lr_min=plan.peak_lr * lo,
-                         lr_max=plan.peak_lr * hi, steps=b.lr_find_steps,
+                         lr_max=plan.peak_lr * hi, steps=strategy.lr_find_steps,
                          safety=b.lr_find_safety)
     del run, model  # the copy's DDP reducer goes before the run's own is used
     gc.collect()
