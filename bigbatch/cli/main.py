@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -96,6 +97,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    own_process = argv is None  # this process's own command line: it ends with main()
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(next((a for a in argv if not a.startswith("-")), None))
     try:
@@ -182,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bigbatch {args.command}: error: {text}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C: at once, without the stop's checkpoint
+        if own_process:  # a third Ctrl-C cuts short neither this line nor the exit
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         if os.environ.get("RANK", "0") != "0":
             return 130
         line = "interrupted"

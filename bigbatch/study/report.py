@@ -83,6 +83,9 @@ def _settings(strategy: Any) -> str:
     b, o = strategy.batch, strategy.optimizer
     parts = [f"{strategy.optimizer_name()}", f"base LR {b.base_lr:g} at {b.base_batch_size}",
              f"scaling {b.scaling}", f"warmup {b.warmup_epochs:g} epochs", f"{b.decay} decay"]
+    if o.type == "momentum" and o.momentum > 0:
+        parts.insert(1, f"{'Nesterov' if strategy.nesterov else 'heavy-ball'} momentum "
+                        f"{o.momentum:g}")
     if strategy.lars.enable:
         la = strategy.lars
         parts.append(f"lars_coeff {la.lars_coeff:g}, lars_weight_decay {la.lars_weight_decay:g}, "
