@@ -57,7 +57,8 @@ def _stopped_step(err):
 
 # ------------------------------------------------------------------------ signals
 
-STOPS = [(signal.SIGTERM, 143), (signal.SIGINT, 130),
+# SIGINT's stop is also the first half of test_a_second_ctrl_c_says_which_checkpoint_there_is.
+STOPS = [(signal.SIGTERM, 143), pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow),
          pytest.param(signal.SIGHUP, 129, marks=pytest.mark.slow)]  # as SIGTERM
 
 
@@ -178,12 +179,13 @@ def _endpoint_port(held: bool):
         yield port
 
 
-RENDEZVOUS = [("port_held_by_another_program", True, ["--nproc", "2", "--nnodes", "1"]),
-              ("other_node_never_comes", False, ["--nproc", "1", "--nnodes", "2"])]
+RENDEZVOUS = [  # the held port: slow (12 s, and its timing has been flaky on a busy box)
+    pytest.param(True, ["--nproc", "2", "--nnodes", "1"], id="port_held_by_another_program",
+                 marks=pytest.mark.slow),
+    pytest.param(False, ["--nproc", "1", "--nnodes", "2"], id="other_node_never_comes")]
 
 
-@pytest.mark.parametrize("held, launch", [c[1:] for c in RENDEZVOUS],
-                         ids=[c[0] for c in RENDEZVOUS])
+@pytest.mark.parametrize("held, launch", RENDEZVOUS)
 def test_rendezvous_that_cannot_complete_ends_within_the_timeout(held, launch, tmp_path, cache):
     out = tmp_path / "run"
     with _endpoint_port(held) as port:
