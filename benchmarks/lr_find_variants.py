@@ -128,12 +128,11 @@ def main() -> None:
         found = [r.get("lr_find") or {} for r in runs]
         lrs = ", ".join(f"{r['peak_lr']:.3g}" for r in runs)
         share = [f["time_s"] / max(r["wall_time_s"] - f["time_s"], 1e-9)
-                 for f, r in zip(found, runs) if f]
+                 for f, r in zip(found, runs, strict=True) if f]
         line = (f"{name:24s} {100 * statistics.fmean(accs):6.2f}% "
-                f"({', '.join(f'{100 * x:.2f}' for x in accs)})  peak {lrs}"
-                f"  test/run {statistics.fmean(share):.0%}" if share else
-                f"{name:24s} {100 * statistics.fmean(accs):6.2f}% "
                 f"({', '.join(f'{100 * x:.2f}' for x in accs)})  peak {lrs}")
+        if share:
+            line += f"  test/run {statistics.fmean(share):.0%}"
         line += f"  [{time.perf_counter() - t0:.0f} s]"
         print(line, flush=True)
         lines.append(line)
