@@ -232,13 +232,13 @@ def test_a_second_ctrl_c_during_a_checkpoint_write_lets_it_finish():
 
 def test_a_second_ctrl_c_says_which_checkpoint_there_is(cache, tmp_path):
     """Ctrl-C twice: at once, without the stop's checkpoint; the line names the newest one
-    written (what --resume starts from). The CNN's steps are long enough (a tenth of a
-    second or more) for a second Ctrl-C to land before the stop is done. Two signals that
+    written (what --resume starts from). The CNN's steps of 1024 samples are long enough
+    (a few tenths of a second) for a second Ctrl-C to land before the stop is done. Two signals that
     arrive while a torch kernel holds the main thread reach Python's handler as one (seen
     with two Ctrl-C 50 ms apart): hence one every 50 ms until the job ends."""
     out = tmp_path / "twice"
-    slow = ["train", "--nproc", "1", *TINY, "--model", "cnn", "--set",
-            "batch.global_batch_size=256", "--steps", "300", "--checkpoint-every", "2"]
+    slow = ["train", "--nproc", "1", *TINY, "--model", "cnn", "--task-opt", "num_samples=5000",
+            "--set", "batch.global_batch_size=1024", "--steps", "300", "--checkpoint-every", "2"]
     with job([*slow, "--out", str(out)], cache) as proc:
         wait_for_checkpoint(out, proc)
         deadline = time.monotonic() + 60
