@@ -1,9 +1,13 @@
-"""Variants of the lr_find recipe at 64x/32x the base batch, for choosing the rule.
+"""Variants of the lr_find recipe at 32x/64x the base batch, for choosing the defaults.
 
-Each variant is one `bigbatch study` cell (MNIST-1D CNN, LARS) per seed: the untuned
-recipe of issue 30 at 8192 (10 epochs) or the demo at 8192 (16 epochs), with extra
-`section.key=value` overrides. Prints one line per variant: mean test accuracy over the
-seeds (each seed), the LRs found and the range test's share of the run.
+Each variant is one `bigbatch study` cell (MNIST-1D CNN, LARS) per seed, named
+``BASE-MODE[-PIECE...]``: BASE one of `BASES` (the untuned recipe of issue 30 or the demo,
+as `benchmarks/lr_find_study.py` defines them, at one batch), MODE ``scaled`` or ``find``
+(`lr_find = true`), each PIECE an entry of `PIECES` or ``sN`` (`lr_find_safety = N`). Every
+cell keeps the defaults the variants were measured against (heavy-ball LARS, 30-step
+sweeps: `THEN`), so a name means what benchmarks/NOTES-lr-find.md recorded for it.
+Prints one line per variant: mean test accuracy over the seeds (each seed), the LRs found
+and the range test's share of the run.
 
     python benchmarks/lr_find_variants.py --out /tmp/variants [--seeds 0 1] [--only NAME ...]
 """
@@ -20,97 +24,71 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from lr_find_study import PIECES as RECIPE_PIECES  # noqa: E402
+from lr_find_study import TASKS  # noqa: E402
+
 from bigbatch.study import StudyConfig, run_study  # noqa: E402
 
-BASES = {
-    "lars": dict(task="mnist1d", model="cnn", epochs=10, batches=[8192], strategies=["lars"],
-                 micro_batch_size=1024, warmup_epochs=2, evals_per_epoch=1,
-                 overrides={"all": ["batch.base_batch_size=256", "adaptive.noise_scale=false",
-                                    "batch.base_lr=0.3125", "lars.lars_coeff=0.001"]}),
-    "demo": dict(task="mnist1d", model="cnn", epochs=16, batches=[8192], strategies=["lars"],
-                 micro_batch_size=1024, warmup_epochs=2, evals_per_epoch=1,
-                 overrides={"all": ["adaptive.noise_scale=false"]}),
+# name: (task of lr_find_study, global batch, micro batch)
+BASES = {"lars": ("mnist1d", 8192, 1024), "lars2048": ("mnist1d", 2048, 1024),
+         "demo": ("demo", 8192, 1024), "demo4096": ("demo", 4096, 512)}
+THEN = ["optimizer.nesterov=false", "batch.lr_find_steps=30"]
+# name: (overrides, task options)
+PIECES = {
+    "nesterov": (["optimizer.nesterov=true"], {}),
+    "steps15": (["batch.lr_find_steps=15"], {}),
+    "range0.1": (["batch.lr_find_steps=15", "batch.lr_find_range=[0.1, 100.0]"], {}),
+    "adapt": (["lars.always_adapt=true"], {}),
+    "w1": (["batch.warmup_epochs=1"], {}),
+    "poly3": (["batch.decay=\"poly\"", "batch.decay_power=3.0"], {}),
+    "wsqrt": RECIPE_PIECES["warmup-sqrt"][1:],
+    "poly2": RECIPE_PIECES["poly2"][1:],
+    "ls": RECIPE_PIECES["smoothing"][1:],
 }
-BASES["lars2048"] = dict(BASES["lars"], batches=[2048])
-BASES["demo4096"] = dict(BASES["demo"], batches=[4096], micro_batch_size=512)
+VARIANTS = [
+    "lars-scaled", "lars-find", "lars-find-s1.5", "lars-find-s3", "lars-find-s4",
+    "lars-find-adapt", "lars-find-adapt-s1", "lars-find-steps15", "lars-find-range0.1",
+    "lars-find-wsqrt", "lars-find-w1", "lars-find-poly2", "lars-find-ls", "lars-find-nesterov",
+    "demo-scaled", "demo-find", "demo-find-s1.5", "demo-find-s3", "demo-find-adapt",
+    "demo-find-steps15", "demo-find-wsqrt", "demo-find-w1", "demo-find-poly2", "demo-find-ls",
+    "demo-find-nesterov", "demo-scaled-wsqrt", "demo-scaled-poly2", "demo-find-poly2-s1.5",
+    "demo-find-poly2-s3", "demo-find-poly2-steps15", "demo-find-poly3", "lars-find-adapt-poly2",
+    "lars-find-adapt-s1.5", "lars-find-s1", "lars-find-nesterov-w1", "lars-find-nesterov-steps15",
+    "lars-scaled-nesterov", "demo-scaled-nesterov", "demo-find-nesterov-poly2",
+    "demo-find-nesterov-steps15", "demo-find-nesterov-w1", "lars2048-find",
+    "lars2048-find-nesterov", "lars2048-find-nesterov-steps15", "demo4096-scaled",
+    "demo4096-scaled-nesterov", "demo4096-find-nesterov-steps15",
+]
 
-# name: (base, lr_find, extra overrides, task options)
-VARIANTS = {
-    "lars-scaled": ("lars", False, [], {}),
-    "lars-find": ("lars", True, [], {}),
-    "lars-find-s1.5": ("lars", True, ["batch.lr_find_safety=1.5"], {}),
-    "lars-find-s3": ("lars", True, ["batch.lr_find_safety=3.0"], {}),
-    "lars-find-s4": ("lars", True, ["batch.lr_find_safety=4.0"], {}),
-    "lars-find-adapt": ("lars", True, ["lars.always_adapt=true"], {}),
-    "lars-find-adapt-s1": ("lars", True, ["lars.always_adapt=true", "batch.lr_find_safety=1.0"], {}),
-    "lars-find-steps15": ("lars", True, ["batch.lr_find_steps=15"], {}),
-    "lars-find-range0.1": ("lars", True, ["batch.lr_find_steps=15",
-                                          "batch.lr_find_range=[0.1, 100.0]"], {}),
-    "lars-find-wsqrt": ("lars", True, ["batch.warmup_scaling=\"sqrt\"",
-                                       "batch.warmup_batch_size=2048"], {}),
-    "lars-find-w1": ("lars", True, ["batch.warmup_epochs=1"], {}),
-    "lars-find-poly2": ("lars", True, ["batch.decay=\"poly\"", "batch.decay_power=2.0"], {}),
-    "lars-find-ls": ("lars", True, [], {"label_smoothing": 0.1}),
-    "lars-find-nesterov": ("lars", True, ["optimizer.nesterov=true"], {}),
-    "demo-scaled": ("demo", False, [], {}),
-    "demo-find": ("demo", True, [], {}),
-    "demo-find-s1.5": ("demo", True, ["batch.lr_find_safety=1.5"], {}),
-    "demo-find-s3": ("demo", True, ["batch.lr_find_safety=3.0"], {}),
-    "demo-find-adapt": ("demo", True, ["lars.always_adapt=true"], {}),
-    "demo-find-steps15": ("demo", True, ["batch.lr_find_steps=15"], {}),
-    "demo-find-wsqrt": ("demo", True, ["batch.warmup_scaling=\"sqrt\"",
-                                       "batch.warmup_batch_size=2048"], {}),
-    "demo-find-w1": ("demo", True, ["batch.warmup_epochs=1"], {}),
-    "demo-find-poly2": ("demo", True, ["batch.decay=\"poly\"", "batch.decay_power=2.0"], {}),
-    "demo-find-ls": ("demo", True, [], {"label_smoothing": 0.1}),
-    "demo-find-nesterov": ("demo", True, ["optimizer.nesterov=true"], {}),
-    "demo-scaled-wsqrt": ("demo", False, ["batch.warmup_scaling=\"sqrt\"",
-                                          "batch.warmup_batch_size=2048"], {}),
-    "demo-scaled-poly2": ("demo", False, ["batch.decay=\"poly\"", "batch.decay_power=2.0"], {}),
-    "demo-find-poly2-s1.5": ("demo", True, ["batch.decay=\"poly\"", "batch.decay_power=2.0",
-                                            "batch.lr_find_safety=1.5"], {}),
-    "demo-find-poly2-s3": ("demo", True, ["batch.decay=\"poly\"", "batch.decay_power=2.0",
-                                          "batch.lr_find_safety=3.0"], {}),
-    "demo-find-poly2-steps15": ("demo", True, ["batch.decay=\"poly\"", "batch.decay_power=2.0",
-                                               "batch.lr_find_steps=15"], {}),
-    "demo-find-poly3": ("demo", True, ["batch.decay=\"poly\"", "batch.decay_power=3.0"], {}),
-    "lars-find-adapt-poly2": ("lars", True, ["lars.always_adapt=true", "batch.decay=\"poly\"",
-                                             "batch.decay_power=2.0"], {}),
-    "lars-find-adapt-s1.5": ("lars", True, ["lars.always_adapt=true",
-                                            "batch.lr_find_safety=1.5"], {}),
-    "lars-find-s1": ("lars", True, ["batch.lr_find_safety=1.0"], {}),
-    "lars-find-nesterov-w1": ("lars", True, ["optimizer.nesterov=true", "batch.warmup_epochs=1"], {}),
-    "lars-find-nesterov-steps15": ("lars", True, ["optimizer.nesterov=true",
-                                                  "batch.lr_find_steps=15"], {}),
-    "lars-scaled-nesterov": ("lars", False, ["optimizer.nesterov=true"], {}),
-    "demo-scaled-nesterov": ("demo", False, ["optimizer.nesterov=true"], {}),
-    "demo-find-nesterov-poly2": ("demo", True, ["optimizer.nesterov=true", "batch.decay=\"poly\"",
-                                                "batch.decay_power=2.0"], {}),
-    "demo-find-nesterov-steps15": ("demo", True, ["optimizer.nesterov=true",
-                                                  "batch.lr_find_steps=15"], {}),
-    "demo-find-nesterov-w1": ("demo", True, ["optimizer.nesterov=true", "batch.warmup_epochs=1"], {}),
-    "lars2048-find": ("lars2048", True, [], {}),
-    "lars2048-find-nesterov": ("lars2048", True, ["optimizer.nesterov=true"], {}),
-    "lars2048-find-nesterov-steps15": ("lars2048", True, ["optimizer.nesterov=true",
-                                                          "batch.lr_find_steps=15"], {}),
-    "demo4096-scaled": ("demo4096", False, [], {}),
-    "demo4096-scaled-nesterov": ("demo4096", False, ["optimizer.nesterov=true"], {}),
-    "demo4096-find-nesterov-steps15": ("demo4096", True, ["optimizer.nesterov=true",
-                                                          "batch.lr_find_steps=15"], {}),
-}
+
+def _piece(name: str) -> tuple[list[str], dict]:
+    if name in PIECES:
+        return PIECES[name]
+    if name.startswith("s"):
+        return [f"batch.lr_find_safety={float(name[1:])}"], {}
+    raise SystemExit(f"lr_find_variants: unknown piece {name!r} (of {', '.join(PIECES)}, sN)")
+
+
+def variant_config(name: str, seed: int, out: Path) -> StudyConfig:
+    """The study of variant `name` for `seed` (one cell) under `out`."""
+    base, mode, *pieces = name.split("-")
+    task, batch, micro = BASES[base]
+    spec = dict(TASKS[task]["config"], batches=[batch], strategies=["lars"],
+                micro_batch_size=micro)
+    overrides, options = [*THEN], {}
+    for piece in pieces:
+        more, opts = _piece(piece)
+        overrides, options = [*overrides, *more], {**options, **opts}
+    spec["overrides"] = {**spec["overrides"], "all": [*spec["overrides"]["all"], *overrides]}
+    return StudyConfig(**spec, task_options=options, seed=seed, threads=None,
+                       lr_find=mode == "find", progress=False, out=str(out / name / f"s{seed}"))
 
 
 def run_variant(out: Path, name: str, seed: int) -> dict:
-    base, find, extra, options = VARIANTS[name]
-    spec = dict(BASES[base])
-    spec["overrides"] = {"all": [*spec["overrides"]["all"], *extra]}
-    spec["task_options"] = options
-    config = StudyConfig(**spec, seed=seed, threads=None, lr_find=find, progress=False,
-                         out=str(out / name / f"s{seed}"))
+    config = variant_config(name, seed, out)
     run_study(config)
-    summary = json.loads((out / name / f"s{seed}" / "cells" / f"lars-b{spec['batches'][0]}" /
-                          "summary.json").read_text())
-    return summary
+    return json.loads((Path(config.out) / "cells" / f"lars-b{config.batches[0]}" /
+                       "summary.json").read_text())
 
 
 def main() -> None:
