@@ -56,20 +56,18 @@ def render_overview(title: str, blocks: list[tuple[str, list[tuple[str, Any]]]])
 _UNUSED = {"momentum": ("beta1", "beta2", "epsilon"), "adamw": ("momentum", "nesterov")}
 
 
-def _shown(key: str, value: Any) -> Any:
-    """A field's value as the overview prints it."""
-    if key == "exclude_from_weight_decay" and value is None:
+def _shown(strategy: Any, key: str, value: Any) -> Any:
+    """A field's value as the overview prints it: an unset key whose value follows other
+    keys, as the run will use it."""
+    if value is not None:
+        return value
+    if key == "exclude_from_weight_decay":
         return "ndim <= 1 (default)"
-    return value
-
-
-def _resolved(strategy: Any, section: str, key: str, shown: Any) -> Any:
-    """An unset key whose value follows other keys, as the run will use it."""
-    if section == "optimizer" and key == "nesterov" and shown is None:
+    if key == "nesterov":
         return f"{str(strategy.nesterov).lower()} (unset: on with LARS)"
-    if section == "batch" and key == "lr_find_steps" and shown is None:
+    if key == "lr_find_steps":
         return f"{strategy.lr_find_steps} (unset: 15, adamw 30)"
-    return shown
+    return value
 
 
 def _decay_text(b: Any) -> str:
@@ -109,9 +107,8 @@ def strategy_overview(
             continue
         title = f"[{name}]" if enable is None else f"{name}=True <-> [{name}]"
         hidden = _UNUSED.get(section.type, ()) if name == "optimizer" else ()
-        rows = [(k, _shown(k, getattr(section, k))) for k in KEYS[name]
+        rows = [(k, _shown(strategy, k, getattr(section, k))) for k in KEYS[name]
                 if k not in ("enable", *hidden)]
-        rows = [(k, _resolved(strategy, name, k, v)) for k, v in rows]
         blocks.append((title, rows))
     blocks.append(
         (
