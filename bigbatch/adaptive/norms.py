@@ -20,6 +20,8 @@ __all__ = [
     "ddp_sq_norms",
     "local_sq_norm_hook",
     "merge_sq_norms",
+    "param_group_of",
+    "preconditioned_grads",
     "sq_norm",
 ]
 
@@ -108,6 +110,62 @@ def adam_sq_norm(
         pre = sq_norm(torch._foreach_div(gs, denom))
         total = total.to(pre.device) + pre
     return total
+
+
+def preconditioned_grads(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
+                         grads: Sequence[torch.Tensor | None],
+                         group_of: dict[int, dict[str, Any]] | None = None) -> list[torch.Tensor]:
+    """``g / (sqrt(v_hat) + eps)`` per tensor, as `bigbatch.adaptive.gns.adam_sq_norm` measures it.
+
+    New tensors in the order of `params` (None gradients skipped); parameters
+    without Adam state yet stay unpreconditioned. A fixed number of
+    (multi-tensor) ops whatever the parameter count, and no host sync. `group_of` (id of
+    a parameter -> its param group; default: built from `optimizer`) saves rebuilding that
+    map when called per parameter.
+    """
+    if group_of is None:
+        group_of = param_group_of(optimizer)
+    out: list[torch.Tensor | None] = []
+    at, gs, vs, epss, betas, steps = [], [], [], [], [], []
+    for p, g in zip(params, grads, strict=True):
+        if g is None:
+            continue
+        g = g.detach()
+        state, group = optimizer.state.get(p, {}), group_of.get(id(p))
+        v = state.get("exp_avg_sq")
+        if v is None or group is None:
+            out.append(g)
+            continue
+        at.append(len(out))
+        out.append(None)
+        gs.append(g if g.dtype == torch.float64 else g.float())
+        vs.append(v)
+        epss.append(float(group.get("eps", 1e-8)))
+        betas.append(float(group.get("betas", (0.9, 0.999))[1]))
+        # Step 0 (or no bias correction) gives 1 - beta2^0 = 0: no correction below.
+        steps.append(state.get("step", 0) if group.get("bias_correction", True) else 0)
+    if not gs:
+        return out  # type: ignore[return-value]
+    device = vs[0].device
+    if all(isinstance(t, torch.Tensor) for t in steps):  # may live on the GPU: never read them
+        step = torch.stack([t.reshape(()) for t in steps]).to(device, torch.float64)
+    else:  # host numbers: one asynchronous copy (a blocking one is a host sync on CUDA)
+        step = torch.tensor([float(t) for t in steps], dtype=torch.float64).to(
+            device, non_blocking=True)
+    beta2 = torch.tensor(betas, dtype=torch.float64).to(device, non_blocking=True)
+    bc2 = 1.0 - beta2 ** step
+    roots = torch.where(bc2 > 0, bc2.clamp_min(0).sqrt(), 1.0)
+    denom = torch._foreach_sqrt(vs)
+    torch._foreach_div_(denom, list(roots.unbind()))
+    torch._foreach_add_(denom, epss)
+    for i, t in zip(at, torch._foreach_div(gs, denom), strict=True):
+        out[i] = t
+    return out  # type: ignore[return-value]
+
+
+def param_group_of(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+    """id of each parameter -> its param group."""
+    return {id(p): g for g in optimizer.param_groups for p in g["params"]}
 
 
 def merge_sq_norms(
