@@ -67,58 +67,29 @@ def adam_sq_norm(
 ) -> torch.Tensor:
     """``sum |g / (sqrt(v / (1 - beta2^t)) + eps)|^2``: the Adam/LAMB-preconditioned norm.
 
-    ``v`` is ``optimizer.state[p]["exp_avg_sq"]``, ``beta2`` from the group's ``betas`` and
-    ``eps`` its ``eps``. Parameters with no state yet (before the first step) count
-    unpreconditioned, as in AdaptDL. The preconditioner is the one the *next* update will
-    divide by, up to that update's own contribution to ``v``.
+    The sum of `preconditioned_grads`' squares (see there which coordinates count).
     """
-    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    plain: list[torch.Tensor] = []
-    gs: list[torch.Tensor] = []
-    vs: list[torch.Tensor] = []
-    root_bc: list[Any] = []  # sqrt(1 - beta2^t): floats, or 0-d tensors for tensor steps
-    epss: list[float] = []
-    for p, g in zip(params, grads, strict=True):
-        if g is None:
-            continue
-        state = optimizer.state.get(p, {})
-        v = state.get("exp_avg_sq")
-        group = group_of.get(id(p))
-        if v is None or group is None:
-            plain.append(g)
-            continue
-        gs.append(g if g.dtype == torch.float64 else g.float())  # keep float64 exact
-        vs.append(v)
-        epss.append(float(group.get("eps", 1e-8)))
-        beta2 = float(group.get("betas", (0.9, 0.999))[1])
-        step = state.get("step", 0) if group.get("bias_correction", True) else 0
-        if isinstance(step, torch.Tensor):  # may live on the GPU: never read it on the host
-            acc = torch.float64 if v.dtype == torch.float64 else torch.float32
-            bc2 = 1.0 - torch.pow(beta2, step.to(v.device, acc))
-            root_bc.append(torch.where(bc2 > 0, bc2.clamp_min(0).sqrt(), 1.0))
-        else:
-            root_bc.append(math.sqrt(1.0 - beta2**step) if step > 0 else 1.0)
-    total = sq_norm(plain)
-    if gs:
-        if any(isinstance(r, torch.Tensor) for r in root_bc):
-            root_bc = [
-                torch.as_tensor(r, device=v.device) for r, v in zip(root_bc, vs, strict=True)
-            ]
-        denom = torch._foreach_sqrt(vs)
-        torch._foreach_div_(denom, root_bc)
-        torch._foreach_add_(denom, epss)
-        pre = sq_norm(torch._foreach_div(gs, denom))
-        total = total.to(pre.device) + pre
-    return total
+    return sq_norm(preconditioned_grads(optimizer, params, grads))
 
 
 def preconditioned_grads(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
                          grads: Sequence[torch.Tensor | None],
                          group_of: dict[int, dict[str, Any]] | None = None) -> list[torch.Tensor]:
-    """``g / (sqrt(v_hat) + eps)`` per tensor, as `bigbatch.adaptive.gns.adam_sq_norm` measures it.
+    """``g / (sqrt(v_hat) + eps)`` per tensor: the gradient as Adam/LAMB's next update sees it.
 
-    New tensors in the order of `params` (None gradients skipped); parameters
-    without Adam state yet stay unpreconditioned. A fixed number of
+    ``v`` is ``optimizer.state[p]["exp_avg_sq"]``, ``beta2`` from the group's ``betas`` and
+    ``eps`` its ``eps``: the preconditioner the *next* update divides by, up to that
+    update's own contribution to ``v``. Parameters with no state yet (before the first
+    step) stay unpreconditioned, as in AdaptDL.
+
+    Coordinates whose ``v`` is still exactly zero count as zero: they have never had a
+    gradient (embedding rows of tokens not yet seen), so ``g / eps`` there measures eps,
+    not the gradient's noise, and one such row in a worker's batch made per-step noise
+    estimates of 1e13-1e15 that froze the noise scale's average. The same coordinates are
+    dropped from the small and the big batch's norm, so the estimate stays consistent:
+    it is the noise scale of the coordinates the optimizer has seen.
+
+    New tensors in the order of `params` (None gradients skipped). A fixed number of
     (multi-tensor) ops whatever the parameter count, and no host sync. `group_of` (id of
     a parameter -> its param group; default: built from `optimizer`) saves rebuilding that
     map when called per parameter.
@@ -158,7 +129,9 @@ def preconditioned_grads(optimizer: torch.optim.Optimizer, params: Sequence[torc
     denom = torch._foreach_sqrt(vs)
     torch._foreach_div_(denom, list(roots.unbind()))
     torch._foreach_add_(denom, epss)
-    for i, t in zip(at, torch._foreach_div(gs, denom), strict=True):
+    pre = torch._foreach_div(gs, denom)
+    torch._foreach_mul_(pre, torch._foreach_sign(vs))  # v >= 0: 0 where v == 0, else 1
+    for i, t in zip(at, pre, strict=True):
         out[i] = t
     return out  # type: ignore[return-value]
 

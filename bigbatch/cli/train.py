@@ -98,6 +98,10 @@ def add_train_arguments(t: argparse.ArgumentParser) -> None:
                    help="run the LR range test at the global batch before training and train "
                    "at the peak LR it finds (= --set batch.lr_find=true; a resume keeps the "
                    "LR found)")
+    t.add_argument("--auto-batch", action="store_true",
+                   help="start at the recipe's batch and double it as the measured noise "
+                   "scale grows, up to the global batch (= --set batch.schedule=adaptive; "
+                   "docs/auto-batch.md)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard event files")
     launch = t.add_argument_group("launch (torchrun)")
@@ -182,6 +186,8 @@ def resolve(args: argparse.Namespace):
         overrides.append(f"data_parallel.timeout_s={args.timeout}")
     if args.lr_find:
         overrides.append("batch.lr_find=true")
+    if args.auto_batch:
+        overrides.append("batch.schedule=adaptive")
     strategy = strategy.with_overrides(overrides)
     if config.model is not None and config.model not in cls.models:
         raise ConfigError(

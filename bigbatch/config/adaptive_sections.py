@@ -35,6 +35,11 @@ class AdaptiveConfig(_Section):
     """Track the gradient noise scale (GNS) and report it."""
     gns_ema: float = _f(0.95, ge=0, lt=1)
     """EMA decay of the gradient-statistics estimators."""
+    gns_warmup_steps: int | None = _f(None, ge=0)
+    """Optimizer steps at the start whose noise estimates are dropped (nothing reads the
+    noise scale before the first estimate after them). Unset: 10 for AdamW/LAMB, whose
+    preconditioner g / (sqrt(v) + eps) means little while v holds a few gradients; 0
+    for momentum SGD and LARS."""
     policies: tuple[str, ...] = _f(())
     """Policies run around the training loop (`bigbatch.Policy`): the built-in "goodput"
     (= batch_size "goodput"), "noise_scale_doubling" (KungFu's: double the batch as the

@@ -18,6 +18,7 @@ from typing import Any
 
 from bigbatch.config.comm import LOSSY, local_sgd_section, reduce_mode
 from bigbatch.config.conflict import NO_CONTEXT, Conflict, Context
+from bigbatch.config.batch_schedule_rows import BATCH_SCHEDULE_ROWS
 from bigbatch.config.lr_find_rows import LR_FIND_ROWS
 from bigbatch.errors import ConfigError
 
@@ -67,7 +68,8 @@ def _gns_key(s: Any, policies: bool = True, doubling: bool = True) -> str | None
             f'adaptive.lr="{a.lr}"' if a.lr != "none" else
             'adaptive.batch_size="goodput"' if goodput else
             'adaptive.policies=["noise_scale_doubling"]'
-            if doubling and "noise_scale_doubling" in a.policies else None)
+            if doubling and "noise_scale_doubling" in a.policies else
+            'batch.schedule="adaptive"' if s.batch.schedule == "adaptive" else None)
 
 
 def _switched_on(s: Any) -> str | None:
@@ -331,13 +333,14 @@ CONFLICTS: tuple[Conflict, ...] = (
     C("straggler-rebalance-adaptive", 'straggler.action = "rebalance"',
       "[adaptive] (the noise scale)",
       lambda s, c: ("straggler" in s.adaptive.policies and s.straggler.action == "rebalance"
-                    and s.adaptive.active),
+                    and _gns_key(s) is not None),
       "{a} with the noise scale tracked ([adaptive] noise_scale, AdaScale, goodput or "
       "noise_scale_doubling): {reason}; {fix}",
       "unequal micro batches bias its per-worker estimate", 'use action = "warn" or "stop" there',
       {"adaptive": {"policies": ["straggler"], "noise_scale": True},
        "straggler": {"action": "rebalance"}}),
     *LR_FIND_ROWS,  # the LR range test before training
+    *BATCH_SCHEDULE_ROWS,  # a batch that grows during the run
     # prepare(): the model and the worker
     C("own-optimizer-lars-lamb", "[lars] or [lamb]", "prepare(optimizer=...)",
       lambda s, c: c.own_optimizer and (s.lars.enable or s.lamb.enable),

@@ -166,9 +166,20 @@ def _derived_rows(
         ("decay", _decay_text(b)),
         ("optimizer", _optimizer_text(strategy)),
     ]
+    if b.schedule != "fixed":
+        rows[1:1] = _growth_rows(strategy, plan, deg)
     if total_steps is not None:
-        rows.append(("total_steps", total_steps))
+        rows.append(("total_steps", total_steps if b.schedule == "fixed" else
+                     f"{total_steps} of the start batch"))
     return rows
+
+
+def _growth_rows(strategy: Any, plan: Any, deg: Degrees) -> list[tuple[str, Any]]:
+    b, ceiling = strategy.batch, strategy.ceiling(deg.data).global_batch_size
+    when = (f"2 x batch <= {b.noise_scale_fraction:g} x noise scale"
+            if b.schedule == "adaptive" else "the decay halves the LR")
+    return [("batch schedule", f"{b.schedule}: {plan.global_batch_size} -> at most {ceiling}"),
+            ("doubles when", when), ("peak LR on doubling", f"follows {b.scaling} scaling")]
 
 
 def _optimizer_text(strategy: Any) -> str:

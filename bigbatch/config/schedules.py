@@ -39,6 +39,9 @@ from bigbatch.errors import ConfigError
 DECAYS = ("cosine", "poly", "step", "none")
 """Names accepted for ``decay``."""
 
+BATCH_SCHEDULES = ("fixed", "adaptive", "seesaw")
+"""Names accepted for ``batch.schedule`` (how the global batch moves during a run)."""
+
 
 def lr_factor(
     step: float,

@@ -28,7 +28,7 @@ from bigbatch.config.parallel_sections import (
     TensorParallelConfig,
 )
 from bigbatch.config.scaling import RULES
-from bigbatch.config.schedules import DECAYS, WARMUP_STARTS
+from bigbatch.config.schedules import BATCH_SCHEDULES, DECAYS, WARMUP_STARTS
 from bigbatch.config.section_base import _f, _Section
 from bigbatch.errors import ConfigError
 
@@ -110,6 +110,23 @@ class BatchConfig(_Section):
     """lr_find: the suggested peak is the smoothed minimum's LR divided by this. 2 beat 1,
     1.5, 3 and 4 for LARS at 32x (benchmarks/NOTES-lr-find.md); per task and batch,
     docs/lr-find-study.md."""
+    schedule: str = _f("fixed", choices=BATCH_SCHEDULES)
+    """How the global batch moves during the run (docs/auto-batch.md). fixed: the global
+    batch throughout. adaptive: start at start_batch_size and double the batch whenever it
+    is at most noise_scale_fraction of the measured gradient noise scale (McCandlish et al.
+    2018), up to global_batch_size, which becomes the ceiling. seesaw: double it wherever
+    the decay halves the LR (Meterez et al. 2025). On each doubling the peak LR follows
+    `scaling`; the schedule counts samples, so the decay ends with the sample budget."""
+    start_batch_size: int | None = _f(None, ge=1)
+    """adaptive / seesaw: the global batch at the start; unset: base_batch_size (the
+    recipe's). Must divide by the data-parallel degree."""
+    noise_scale_fraction: float = _f(0.25, gt=0, le=16)
+    """adaptive: the batch doubles while twice it is at most this times the measured noise
+    scale. A batch at the noise scale takes about twice the samples of a small one to the
+    same loss (McCandlish et al. 2018): lower keeps the sample budget's quality, higher
+    saves more steps."""
+    schedule_interval_steps: int = _f(10, ge=1)
+    """adaptive / seesaw: optimizer steps between two decisions on the batch."""
     elastic: str = _f("keep", choices=ELASTIC_MODES)
     """Resuming on another number of workers: keep the global batch (micro batch or k_steps
     adjust), or scale it with the world size (each worker's micro batch and k_steps kept,
@@ -133,6 +150,10 @@ class BatchConfig(_Section):
                 f"batch.decay_milestones must be strictly increasing fractions in (0, 1), "
                 f"got {list(ms)}"
             )
+        start = self.start_batch_size
+        if start is not None and self.schedule == "fixed":
+            raise ConfigError(f"batch.start_batch_size={start} needs batch.schedule = "
+                              '"adaptive" or "seesaw" (a fixed batch starts at its global size)')
         if self.decay == "step" and not ms:
             raise ConfigError(
                 'batch.decay_milestones is empty but batch.decay = "step"; '

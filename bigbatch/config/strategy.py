@@ -251,12 +251,43 @@ class Strategy:
     # -- derived numbers ---------------------------------------------------------------
 
     def resolve(self, world_size: int) -> BatchPlan:
-        """Batch sizes, merge steps and peak LR for ``world_size`` workers.
+        """Batch sizes, merge steps and peak LR for ``world_size`` workers at the start.
 
         ``global = micro x k_steps x world_size``; any two of global, micro and
         k_steps determine the third (k_steps is 1 without [gradient_merge]).
         With neither batch size set, the global batch is ``base_batch_size``.
+        Under ``batch.schedule = "adaptive"`` or ``"seesaw"`` the run starts at
+        `start_plan`, and this configured plan (`ceiling`) is the largest it grows to.
         """
+        ceiling = self.ceiling(world_size)
+        return ceiling if self.batch.schedule == "fixed" else self.start_plan(ceiling)
+
+    def start_plan(self, ceiling: BatchPlan) -> BatchPlan:
+        """The first plan of a growing batch: ``batch.start_batch_size`` (default the
+        recipe's ``base_batch_size``) over the ceiling's workers, with a micro batch no
+        larger than the ceiling's (memory). On one worker the start batch is two merged
+        micro-steps where it can be, so the noise scale compares a micro-step's gradient
+        with the step's (unbiased) instead of consecutive steps (biased)."""
+        b, w = self.batch, ceiling.world_size
+        start = b.start_batch_size or b.base_batch_size
+        if start > ceiling.global_batch_size:
+            raise ConfigError(f"batch.start_batch_size={start} is larger than the ceiling "
+                              f"batch.global_batch_size={ceiling.global_batch_size}")
+        if start % w:
+            raise ConfigError(f"batch.start_batch_size={start} is not divisible by the "
+                              f"{w} data-parallel workers; use a multiple of {w}")
+        per_worker = start // w
+        micro = min(ceiling.micro_batch_size, per_worker)
+        if w == 1 and micro == per_worker and per_worker % 2 == 0 and not self.pipeline.enable:
+            micro = per_worker // 2
+        if per_worker % micro:
+            raise ConfigError(f"batch.start_batch_size={start} is not a multiple of the micro "
+                              f"batch {micro} x {w} workers; use a multiple of {micro * w}")
+        return self.batch_plan(start, micro, per_worker // micro, w)
+
+    def ceiling(self, world_size: int) -> BatchPlan:
+        """The configured plan for ``world_size`` workers: the plan of a fixed batch, the
+        largest a growing one (``batch.schedule``) reaches. See `resolve`."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"world_size must be an int >= 1, got {world_size!r}")
         b, w = self.batch, world_size

@@ -48,6 +48,9 @@ log = logging.getLogger("bigbatch.adaptive")
 
 MAX_BATCH_FACTOR = 32
 """Without `adaptive.max_batch_size`, goodput may grow the global batch this many times."""
+DEFAULT_WARMUP = {False: 0, True: 10}
+"""`adaptive.gns_warmup_steps` unset, for raw and for Adam/LAMB-preconditioned gradients:
+the preconditioner's second moments hold a few gradients only after some steps."""
 _FLUSH_EVERY = 64  # pending per-step norms kept on the device before one host transfer
 
 
@@ -68,6 +71,8 @@ def check(strategy: Any, plan: Any = None) -> bool:
     """Validate `[adaptive]` against the rest of the strategy; True when it is active."""
     a = getattr(strategy, "adaptive", None)
     on = _switched_on(a) if a is not None else []
+    if strategy.batch.schedule == "adaptive":  # it follows the noise scale
+        on.append('batch.schedule="adaptive"')
     if not on:
         return False
     if getattr(strategy.data_parallel, "reduce", "mean") == "adasum":
@@ -141,8 +146,12 @@ class Adaptive:
         self._window = window
         self._batch = batch
         self.preconditioned = strategy.optimizer.type == "adamw"
+        self._batch_grows = strategy.batch.schedule != "fixed"
         """Norms of ``g / (sqrt(v) + eps)`` (AdamW, LAMB) instead of ``g``."""
         self.tracker = GradientNoiseScale(a.gns_ema)
+        self.warmup_steps = (a.gns_warmup_steps if a.gns_warmup_steps is not None
+                             else DEFAULT_WARMUP[self.preconditioned])
+        """Optimizer steps whose estimates the tracker never sees (`adaptive.gns_warmup_steps`)."""
         self.adascale: AdaScale | None = None
         if a.lr == "adascale":
             power = 0.5 if self.preconditioned else 1.0
@@ -239,8 +248,8 @@ class Adaptive:
         for step, *row, factor in pending:
             small, big, small_b, big_b = (next(values) if isinstance(x, torch.Tensor) else x
                                           for x in row)
-            if not 0 < small_b < big_b:  # a step with no smaller batch to compare
-                continue
+            if not 0 < small_b < big_b or step < self.warmup_steps:
+                continue  # no smaller batch to compare, or the estimator is warming up
             est = self.tracker.update(small / factor, big / factor, small_b, big_b)
             if self.estimate_log is not None:
                 self.estimate_log.append({"step": step, "sq_norm": est.sq_norm,
@@ -316,7 +325,8 @@ class Adaptive:
             out["adascale_gain"] = float(self.adascale.last_gain)
         if self.adascale is not None or self.tuner is not None:
             out["progress"] = float(self._clock.progress)
-        if self.tuner is not None or "noise_scale_doubling" in self.config.policies:
+        if (self.tuner is not None or "noise_scale_doubling" in self.config.policies
+                or self._batch_grows):
             out["global_batch_size"] = float(plan.global_batch_size)
             out["micro_batch_size"] = float(plan.micro_batch_size)
             out["k_steps"] = float(self._window.k_steps)

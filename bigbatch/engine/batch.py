@@ -54,3 +54,12 @@ class BatchControl:
         self._clock.rescale(plan, self._strategy)
         for listener in self.listeners:
             listener()
+
+    def double(self, max_micro_batch_size: int) -> tuple[int, int]:
+        """Twice the global batch from the next optimizer step on: the micro batch doubles
+        while it stays within `max_micro_batch_size` (memory), merge steps beyond.
+        Returns the new ``(micro_batch_size, k_steps)``."""
+        m, k = self.plan.micro_batch_size, self._window.k_steps
+        m, k = (2 * m, k) if 2 * m <= max_micro_batch_size else (m, 2 * k)
+        self.set(m, k)
+        return m, k

@@ -97,10 +97,8 @@ class NoiseScaleDoublingPolicy(Policy):
         new = self.doubler.decide(noise[0], run.plan.global_batch_size)
         if new is None:
             return
-        m, k = run.plan.micro_batch_size, run.k_steps
-        m, k = (2 * m, k) if 2 * m <= self._max_micro else (m, 2 * k)
         old = run.plan.global_batch_size
-        run.set_batch(m, k)
+        m, k = run.batch.double(self._max_micro)
         reason = (f"noise scale {noise[0]:.4g} doubled since the batch was set: global batch "
                   f"{old} -> {run.plan.global_batch_size} (micro {m} x {k} steps)")
         run.batch_size_changes.append({"step": run.step, "old": old,
@@ -367,6 +365,10 @@ def attach(run: Any, given: list[Any] | None = None) -> Policies:
     if a.goodput and "goodput" not in specs:
         specs.insert(0, "goodput")
     policies = [load_policy(s, run.strategy) for s in specs]
+    if run.strategy.batch.schedule != "fixed":  # batch.schedule's own policy, first
+        from bigbatch.engine.batch_schedule import BatchSchedulePolicy
+
+        policies.insert(0, BatchSchedulePolicy.from_strategy(run.strategy))
     for p in given or []:
         if not isinstance(p, Policy):
             raise PolicyError(f"prepare(policies=...): {p!r} is not a bigbatch.Policy (a "
