@@ -106,6 +106,12 @@ class Task(abc.ABC):
         `nn.ModuleList`s and its pipeline layers through its `pipeline_layers()`."""
         return ModelPlan(tp_plan=self.tp_plan(model))
 
+    def data_note(self) -> str | None:
+        """One line for a run's header saying which data the task holds when its options
+        choose among data sets (charlm's corpus: Python version, files, hash, cache), so a
+        log shows what the numbers were measured on; None: nothing to add."""
+        return None
+
     def check_tensor_parallel(self, degree: int) -> None:
         """A ConfigError naming the option if this task's model cannot be split `degree`
         ways (call it before starting workers); the base refuses any degree above 1 when
@@ -174,3 +180,46 @@ def params_hash(params: dict) -> str:
     """A short stable hash of JSON-able generation parameters (the cache key)."""
     blob = json.dumps(params, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def cache_file(prefix: str, key: dict, override: str | os.PathLike | None = None) -> Path:
+    """The cache file of a data set identified by `key`: `<cache_dir>/<prefix>-<hash>.pt`."""
+    return cache_dir(override) / f"{prefix}-{params_hash(key)}.pt"
+
+
+def load_cached(path: Path, key: dict) -> dict | None:
+    """The blob cached at `path` if it was written for `key`, else None (missing, corrupt,
+    foreign or stale: the caller regenerates over it). Read with `weights_only=True`, so a
+    planted file can hold tensors and plain containers but never run code."""
+    if not path.exists():
+        return None
+    try:
+        blob = torch.load(path, weights_only=True)
+    except Exception:  # a corrupt or foreign file
+        return None
+    return blob if isinstance(blob, dict) and blob.get("key") == key else None
+
+
+def check_cache_dir(directory: Path) -> None:
+    """Before generating: the cache directory can be made and written (one line if not),
+    so a bad location fails before the work, not after it."""
+    hint = "set XDG_CACHE_HOME or --task-opt cache_dir=DIR"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create the data cache directory {directory}: "
+                          f"{e.strerror}; {hint}") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError(f"the data cache directory {directory} is not writable; {hint}")
+
+
+def save_cached(blob: dict, path: Path) -> None:
+    """`blob` (holding its `key`) to `path` atomically (a temporary file, then a rename):
+    a reader sees the old file or the new one, never a torn write."""
+    from bigbatch.train.checkpoint import atomic_save  # lazily: `bigbatch --help` stays fast
+
+    try:
+        atomic_save(blob, path)
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as RuntimeError
+        raise ConfigError(f"cannot write the data cache {path}: "
+                          f"{getattr(e, 'strerror', None) or str(e).splitlines()[0]}") from None

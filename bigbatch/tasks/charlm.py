@@ -1,7 +1,9 @@
 """charlm: character-level language modelling on text that ships with Python.
 
-The corpus is `pydoc_data.topics.topics` (the help texts, about 465k characters),
-joined in sorted-key order; the last 10% is held out. The model is a small
+The default corpus is `pydoc_data.topics.topics` (the help texts, about 465k characters),
+joined in sorted-key order; the last 10% is held out. `corpus="stdlib"` reads the
+standard library's own sources instead (about 12M characters, whole files held out;
+`bigbatch.tasks.corpus`). The model is a small
 decoder-only pre-LayerNorm Transformer, so LAMB's "no decay / no trust ratio on
 norms and biases" rules have something to act on.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import sys
 
 import torch
@@ -21,6 +24,7 @@ from bigbatch.config.limits import SEED_RULE
 from bigbatch.errors import ConfigError
 from bigbatch.parallel.pipeline import Layer, module_layer
 from bigbatch.tasks._base import Recipe, Reduce, Task, eval_sums
+from bigbatch.tasks.corpus import CORPORA, load_corpus, topics_text
 
 IGNORE_INDEX = -100
 """Target value of padding positions: ignored by the loss and not counted."""
@@ -80,10 +84,8 @@ replicated."""
 
 
 def corpus() -> str:
-    """The full text, deterministic for a given Python version."""
-    from pydoc_data.topics import topics
-
-    return "\n".join(topics[k] for k in sorted(topics))
+    """The default (`topics`) corpus's full text, deterministic for a given Python version."""
+    return topics_text()
 
 
 def _windows(ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,7 +204,8 @@ class CharLM(Task):
     option_rules = {"seq_len": {"ge": 2, "le": 65536}, "min_length": {"ge": 1},
                     "seed": SEED_RULE, "test_fraction": {"gt": 0, "lt": 1},
                     "d_model": {"ge": 1, "le": 65536}, "n_layer": {"ge": 1, "le": 1024},
-                    "n_head": {"ge": 1}, "dropout": {"ge": 0, "lt": 1}}
+                    "n_head": {"ge": 1}, "dropout": {"ge": 0, "lt": 1},
+                    "corpus": {"choices": CORPORA}, "corpus_chars": {"ge": 1000}}
 
     def __init__(
         self,
@@ -216,27 +219,40 @@ class CharLM(Task):
         n_head: int = 4,
         dropout: float = 0.0,
         tie_weights: bool = True,
+        corpus: str = "topics",
+        corpus_chars: int | None = None,
+        cache_dir: str | os.PathLike | None = None,
     ):
         """`variable_length`: each training window keeps a random real length in
         `[min_length, seq_len]` (drawn once from `seed`), the rest is padding whose
-        targets are `IGNORE_INDEX`; the test windows are always full."""
+        targets are `IGNORE_INDEX`; the test windows are always full.
+        `corpus`: `topics` (small, the default) or `stdlib` (the standard library's
+        sources, built once and cached in `cache_dir`); `corpus_chars`: at most that many
+        characters of it, split as the whole is (a budget); `bigbatch.tasks.corpus`."""
         if seq_len < 2:
             raise ConfigError(f"seq_len={seq_len} is too small; allowed: >= 2")
         if not 0.0 < test_fraction < 1.0:
             raise ConfigError(f"test_fraction={test_fraction} is out of range; allowed: (0, 1)")
         if d_model % n_head:
             raise ConfigError(f"d_model={d_model} must be divisible by n_head={n_head}")
-        text = corpus()
-        self.chars = sorted(set(text))
+        data = load_corpus(corpus, test_fraction=test_fraction, max_chars=corpus_chars,
+                           cache=cache_dir)
+        for part, ids in (("training", data.train), ("held-out", data.test)):
+            if ids.numel() <= seq_len:
+                cap = "" if corpus_chars is None else f" with corpus_chars={corpus_chars}"
+                raise ConfigError(f"corpus={corpus!r}{cap} leaves the {part} text "
+                                  f"{ids.numel()} characters; allowed: more than "
+                                  f"seq_len={seq_len} in each split")
+        self.corpus = data
+        self.cache_path, self.generated = data.cache_path, data.generated
+        self.chars = data.chars
         self.stoi = {c: i for i, c in enumerate(self.chars)}
-        ids = torch.tensor([self.stoi[c] for c in text], dtype=torch.long)
-        split = int(len(ids) * (1.0 - test_fraction))
         self.seq_len = seq_len
         self.model_options = dict(
             d_model=d_model, n_layer=n_layer, n_head=n_head, dropout=dropout,
             tie_weights=tie_weights,
         )
-        x, y = _windows(ids[:split], seq_len)
+        x, y = _windows(data.train, seq_len)
         if variable_length:
             lo = seq_len // 4 if min_length is None else min_length
             if not 1 <= lo <= seq_len:
@@ -247,7 +263,11 @@ class CharLM(Task):
             x = x.masked_fill(pad, 0)
             y = y.masked_fill(pad, IGNORE_INDEX)
         self.train_set = TensorDataset(x, y)
-        self.test_set = TensorDataset(*_windows(ids[split:], seq_len))
+        self.test_set = TensorDataset(*_windows(data.test, seq_len))
+
+    def data_note(self) -> str:
+        """The corpus's identity (Python version, files and their hash, cache)."""
+        return self.corpus.line()
 
     @property
     def vocab_size(self) -> int:

@@ -23,8 +23,16 @@ from torch.utils.data import TensorDataset
 from bigbatch.config.limits import SEED_RULE
 from bigbatch.errors import ConfigError
 from bigbatch.parallel.pipeline import Layer, module_layer
-from bigbatch.tasks._base import Recipe, Reduce, Task, cache_dir, eval_sums, params_hash
-from bigbatch.train.checkpoint import atomic_save
+from bigbatch.tasks._base import (
+    Recipe,
+    Reduce,
+    Task,
+    cache_file,
+    check_cache_dir,
+    eval_sums,
+    load_cached,
+    save_cached,
+)
 
 log = logging.getLogger("bigbatch.tasks")
 
@@ -132,38 +140,18 @@ def load_data(
     if num_samples < 10:
         raise ConfigError(f"num_samples={num_samples} is too small; allowed: >= 10")
     key = cache_key(num_samples, seed)
-    path = cache_dir(cache) / f"mnist1d-{params_hash(key)}.pt"
-    if path.exists():
-        try:
-            blob = torch.load(path, weights_only=True)
-            if blob.get("key") == key:
-                return blob["tensors"], path, False
-        except Exception:  # a corrupt or foreign file: regenerate over it
-            pass
-    _check_cache_dir(path.parent)
+    path = cache_file("mnist1d", key, cache)
+    blob = load_cached(path, key)
+    if blob is not None:
+        return blob["tensors"], path, False
+    check_cache_dir(path.parent)
     log.info("generating MNIST-1D (%d samples, seed %d) once; cache: %s", num_samples, seed, path)
     t0 = time.perf_counter()
     args = generation_args(num_samples, seed)
     tensors = _generate(args)
     seconds = time.perf_counter() - t0
-    try:
-        atomic_save({"key": key, "args": args, "tensors": tensors, "seconds": seconds}, path)
-    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as RuntimeError
-        raise ConfigError(f"cannot write the data cache {path}: "
-                          f"{getattr(e, 'strerror', None) or str(e).splitlines()[0]}") from None
+    save_cached({"key": key, "args": args, "tensors": tensors, "seconds": seconds}, path)
     return tensors, path, True
-
-
-def _check_cache_dir(directory: Path) -> None:
-    """Before generating: the cache directory can be made and written (one line if not)."""
-    hint = "set XDG_CACHE_HOME or --task-opt cache_dir=DIR"
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"cannot create the data cache directory {directory}: "
-                          f"{e.strerror}; {hint}") from None
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise ConfigError(f"the data cache directory {directory} is not writable; {hint}")
 
 
 class ConvNet(nn.Module):

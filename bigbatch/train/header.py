@@ -16,16 +16,19 @@ __all__ = ["header_lines"]
 
 def header_lines(run: Any, strategy: Any, out: Path, sampler: Any, saved: Any,
                  steps_per_epoch: int | None, total_steps: int, lr_found: dict | None,
-                 warmup_note: str | None, *, resumed: bool) -> list[str]:
-    """What `bigbatch train` prints under its progress bar before training."""
+                 warmup_note: str | None, *, resumed: bool,
+                 data_note: str | None = None) -> list[str]:
+    """What `bigbatch train` prints under its progress bar before training; `data_note`
+    (the task's `data_note()`) says which data set it trains on, first."""
+    data = [data_note] if data_note else []
     if resumed:
-        lines = [f"resuming {out} from step {run.step} (epoch {sampler.epoch}, sample "
-                 f"{sampler.position})"]
+        lines = [*data, f"resuming {out} from step {run.step} (epoch {sampler.epoch}, "
+                 f"sample {sampler.position})"]
         moved = saved is not None and resume_line(saved, run.plan, run.world.world_size,
                                                   run.unit_batch_size, strategy)
         return lines + ([moved] if moved else [])
-    lines = [strategy.overview(run.world.world_size, steps_per_epoch=steps_per_epoch,
-                               total_steps=total_steps, lr_find=lr_found)]
+    lines = [*data, strategy.overview(run.world.world_size, steps_per_epoch=steps_per_epoch,
+                                      total_steps=total_steps, lr_find=lr_found)]
     if warmup_note is not None:
         lines.append(warmup_note)
     if lr_found is not None:

@@ -79,6 +79,8 @@ class Driver:
         # The checkpoint's step, not run.step: the workers may have pushed a step already.
         self.bar = ProgressBar(job.total_steps, int(run.progress // per), enabled=True,
                                bar=cfg.progress)
+        if (note := job.task.data_note()) is not None:
+            self.bar.print(note)
         if job.ckpt is not None:
             self.bar.print(f"resuming {out} from step {job.ckpt['step']} ({job.cfg.mode} parameter "
                            f"server, {job.servers} server(s), {job.workers} worker(s))")
