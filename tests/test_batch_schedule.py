@@ -1,0 +1,233 @@
+"""`batch.schedule = "adaptive"` / `"seesaw"`: a global batch that grows during the run.
+
+The rules (`bigbatch.adaptive.batch_growth`), the start and ceiling plans, the engine's
+policy (doublings, LR, the schedule counted in samples), what it refuses, and the main
+job: the changes in metrics.jsonl and a killed run resuming to the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_engine import ONE, make_data, make_model, strategy
+
+from bigbatch.adaptive.batch_growth import NoiseScaleGrowth, SeesawGrowth, doublings
+from bigbatch.adaptive.gns import adam_sq_norm, sq_norm
+from bigbatch.config.strategy import Strategy
+from bigbatch.engine import prepare
+from bigbatch.engine.batch_schedule import MIN_ESTIMATES, decay_factor
+from bigbatch.errors import ConfigError
+
+NAN = math.nan
+
+
+def grow(mode="adaptive", ceiling=256, micro=None, **batch):
+    extra = {"schedule": mode, "start_batch_size": 32, "schedule_interval_steps": 1, **batch}
+    s = strategy("sgd", ceiling, micro, gradient_merge={"avg": True})
+    return s.with_overrides([f"batch.{k}={v}" for k, v in extra.items()])
+
+
+def feed(run, x, y, steps):
+    """`steps` optimizer steps, each on the first rows of the next slice of (x, y)."""
+    for t in range(steps):
+        m, k = run.plan.micro_batch_size, run.k_steps
+        for i in range(k):
+            with run.micro_step() as ms:
+                ms.backward(F.cross_entropy(run.model(x[t, i * m:(i + 1) * m]),
+                                            y[t, i * m:(i + 1) * m]))
+        assert ms.stepped
+
+
+# ---------------------------------------------------------------- the rules
+
+
+def test_noise_rule_doubles_while_twice_the_batch_is_within_the_fraction_of_the_noise():
+    rule = NoiseScaleGrowth(0.5)
+    assert rule.decide(NAN, 64, 1024) is None and rule.decide(-3.0, 64, 1024) is None
+    assert rule.decide(255.0, 64, 1024) is None     # 0.5 x 255 < 128
+    assert rule.decide(256.0, 64, 1024) == 128
+    assert rule.decide(1e9, 512, 1024) == 1024
+    assert rule.decide(1e9, 1024, 1024) is None     # the ceiling
+    assert rule.decide(1e9, 600, 1024) is None      # 1200 would pass it
+
+
+def test_seesaw_rule_doubles_each_time_the_decay_halves():
+    rule = SeesawGrowth()
+    assert rule.decide(1.0, 32, 32, 256) is None
+    assert rule.decide(0.51, 32, 32, 256) is None
+    assert rule.decide(0.5, 32, 32, 256) == 64
+    assert rule.decide(0.3, 64, 32, 256) is None    # the second doubling waits for 1/4
+    assert rule.decide(0.25, 64, 32, 256) == 128
+    assert rule.decide(0.01, 256, 32, 256) is None
+    assert doublings(128, 32) == 2 and doublings(32, 32) == 0
+
+
+# ---------------------------------------------------------------- plans and refusals
+
+
+def test_start_plan_is_the_start_batch_and_the_configured_one_the_ceiling():
+    s = grow(ceiling=1024, micro=None)
+    start, ceiling = s.resolve(1), s.ceiling(1)
+    assert (ceiling.global_batch_size, ceiling.micro_batch_size) == (1024, 1024)
+    # One worker: two merged micro-steps, so the noise scale is measured without bias.
+    assert (start.global_batch_size, start.micro_batch_size, start.k_steps) == (32, 16, 2)
+    assert start.peak_lr == pytest.approx(0.05 * math.sqrt(32 / 64))  # batch.scaling
+    two = s.resolve(2)
+    assert (two.global_batch_size, two.micro_batch_size, two.k_steps) == (32, 16, 1)
+    small_micro = grow(ceiling=1024, micro=8).resolve(1)
+    assert (small_micro.micro_batch_size, small_micro.k_steps) == (8, 4)
+    assert strategy("sgd", 1024).resolve(1) == strategy("sgd", 1024).ceiling(1)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["batch.start_batch_size=2048"], "batch.start_batch_size=2048 is larger than the ceiling"),
+    (["batch.start_batch_size=33"], "not divisible by the 2 data-parallel workers"),
+    (["batch.schedule=fixed"], 'batch.start_batch_size=32 needs batch.schedule = "adaptive"'),
+    (["batch.schedule=steady"], "batch.schedule"),
+])
+def test_bad_start_or_schedule_is_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as e:
+        grow(ceiling=1024).with_overrides(overrides).resolve(2)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("sections, message", [
+    ({"pipeline": {"pp_degree": 1}}, 'batch.schedule="adaptive" with [pipeline]'),
+    ({"adaptive": {"batch_size": "goodput"}},
+     'batch.schedule="adaptive" with adaptive.batch_size="goodput"'),
+    ({"adaptive": {"lr": "adascale"}, "batch": {"scaling": "none"}},
+     'batch.schedule="adaptive" with adaptive.lr="adascale"'),
+    ({"sharding": {"stage": 3}}, 'batch.schedule = "adaptive" with [sharding]: it follows'),
+])
+def test_what_a_growing_batch_does_not_combine_with_is_refused(sections, message):
+    d = {**sections, "batch": {"global_batch_size": 256, "schedule": "adaptive",
+                               **sections.get("batch", {})}}
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        from bigbatch.config.compat import check
+
+        check(Strategy.from_dict(d))
+
+
+def test_overview_shows_the_growth():
+    text = grow(ceiling=1024).overview(1, total_steps=50)
+    assert "adaptive: 32 -> at most 1024" in text
+    assert "2 x batch <= 0.25 x noise scale" in text and "50 of the start batch" in text
+
+
+# ---------------------------------------------------------------- the engine
+
+
+def test_seesaw_doubles_where_cosine_halves_and_counts_the_run_in_samples():
+    # Linear scaling: each doubling doubles the peak, so the LR holds at each crossing
+    # (Smith et al.'s "increase the batch instead of decaying the LR").
+    s = grow("seesaw", ceiling=128).with_overrides(["batch.scaling=linear",
+                                                    "batch.warmup_steps=0"])
+    run = prepare(make_model(), s, total_steps=40, world=ONE)
+    assert [p.name for p in run.policies] == ["batch_schedule"]
+    x, y = make_data(40, 128)
+    lrs, batches = [], []
+    while not run.done:
+        feed(run, x[len(lrs):], y[len(lrs):], 1)
+        lrs.append(run.last_lr)
+        batches.append(run.plan.global_batch_size)
+    changes = [(c["step"], c["old"], c["new"]) for c in run.batch_size_changes]
+    # Cosine over 40 units of 32 samples: 1/2 at unit 20, 1/4 at 26.7 (reached in steps of
+    # 64 samples, 2 units each).
+    assert changes[0] == (20, 32, 64) and changes[1][1:] == (64, 128) and len(changes) == 2
+    assert run.progress == pytest.approx(40, abs=4)  # the sample budget, to the last step
+    peak0 = 0.05 * 32 / 64
+    # lrs[i]: the LR of step i + 1, read at progress i. The step after the first doubling
+    # runs at twice the peak times the decay there (1/2): the LR of the start.
+    assert lrs[19] == pytest.approx(peak0 * decay_factor(run.clock.schedule, 19))
+    assert lrs[20] == pytest.approx(peak0 * 2 * decay_factor(run.clock.schedule, 20))
+    assert lrs[20] == pytest.approx(peak0)
+    assert sum(b for b in batches) == pytest.approx(40 * 32, abs=4 * 32)
+
+
+def test_adaptive_grows_micro_then_merge_steps_as_the_noise_scale_grows():
+    s = grow(ceiling=256, micro=32, noise_scale_fraction=1.0)
+    run = prepare(make_model(), s, total_steps=200, world=ONE)
+    assert run.adaptive is not None  # it tracks the noise scale for the schedule
+    tracker = SimpleNamespace(b_simple=NAN, steps=0)
+    run.adaptive.tracker, run.adaptive.flush = tracker, lambda: None
+    run.grad_hooks.clear()  # the noise scale is the test's
+    x, y = make_data(12, 256)
+    seen = []
+    for t, (noise, n) in enumerate([(1e6, MIN_ESTIMATES - 1), (50.0, MIN_ESTIMATES),
+                                    (64.0, 20), (130.0, 21), (300.0, 22), (600.0, 23),
+                                    (1e6, 24), (1e6, 25)]):
+        tracker.b_simple, tracker.steps = noise, n
+        feed(run, x[t:], y[t:], 1)
+        seen.append((run.plan.global_batch_size, run.plan.micro_batch_size, run.k_steps))
+    # Too few estimates for 1e6; 50 < 64; then 64 -> 64, 130 -> 128, 300 -> 256 (ceiling).
+    assert seen == [(32, 16, 2), (32, 16, 2), (64, 32, 2), (128, 32, 4), (256, 32, 8),
+                    (256, 32, 8), (256, 32, 8), (256, 32, 8)]
+    assert "noise scale 64 x fraction 1 = 64 >= 64" in run.batch_size_changes[0]["reason"]
+    assert run.clock.schedule.peak_lr == pytest.approx(0.05 * math.sqrt(256 / 64))
+
+
+# ---------------------------------------------------------------- the noise scale
+
+
+def test_preconditioned_norm_ignores_coordinates_adam_has_never_seen():
+    emb = torch.nn.Embedding(4, 3, dtype=torch.float64)
+    opt = torch.optim.AdamW(emb.parameters(), lr=1e-3, eps=1e-6)
+    emb(torch.tensor([0, 1])).sum().backward()  # rows 2 and 3 get no gradient
+    opt.step()
+    v = opt.state[emb.weight]["exp_avg_sq"]
+    assert (v[2:] == 0).all() and (v[:2] > 0).all()
+    g = torch.ones(4, 3, dtype=torch.float64)  # now every row has a gradient
+    got = float(adam_sq_norm(opt, [emb.weight], [g]))
+    seen = g[:2] / ((v[:2] / (1 - 0.999)).sqrt() + 1e-6)
+    assert got == pytest.approx(float(sq_norm([seen])), rel=1e-12)
+    assert got < 1e3  # g / eps on the unseen rows would be 6e12
+
+
+# ---------------------------------------------------------------- the main job
+
+MAIN_JOB = """
+[batch]
+global_batch_size = 256
+micro_batch_size = 32
+base_batch_size = 32
+base_lr = 0.05
+warmup_steps = 2
+decay = "cosine"
+schedule = "adaptive"
+start_batch_size = 32
+noise_scale_fraction = 16.0
+schedule_interval_steps = 2
+
+[gradient_merge]
+avg = true
+
+[optimizer]
+type = "momentum"
+weight_decay = 0.0
+"""
+
+
+@pytest.mark.usefixtures("train_env")
+def test_main_job_records_each_doubling_and_a_killed_run_resumes_to_the_same_weights(tmp_path):
+    import test_train as tt
+
+    full = tt._config(tmp_path / "full", model="mlp", steps=60, checkpoint_every=4)
+    cut = tt._config(tmp_path / "cut", model="mlp", steps=60, checkpoint_every=4)
+    steps = tt._full_crash_resume(full, cut, MAIN_JOB, 5)
+    assert steps[1] == "crashed" and steps[0] == steps[2]
+    tt._assert_same_weights(tt._final(tmp_path / "full"), tt._final(tmp_path / "cut"))
+    rows = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    changes = [r for r in rows if r["kind"] == "batch_size"]
+    assert changes and all(c["new"] == 2 * c["old"] for c in changes), changes
+    assert changes[0]["old"] == 32 and "noise scale" in changes[0]["reason"]
+    summary = json.loads((tmp_path / "full" / "summary.json").read_text())
+    assert summary["samples"] >= 60 * 32 and summary["steps"] < 60  # fewer, larger steps
+    cut_rows = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text()
+                .splitlines()]
+    assert [c["step"] for c in changes] == [
+        c["step"] for c in cut_rows if c["kind"] == "batch_size"]
