@@ -10,7 +10,8 @@ follows from the batch in force, so a resume needs nothing but the batch.
   ``S = S_min (1 + B_noise / B)`` steps and ``E = E_min (1 + B / B_noise)`` samples to a
   given loss, so a batch held at a fixed fraction ``f`` of the noise scale spends at most
   ``1 + f`` times the fewest samples while its steps fall as the noise scale grows. The
-  rule doubles ``B`` whenever ``2 B <= f * B_noise``. Unlike KungFu's doubling policy
+  rule doubles ``B`` while ``2 B <= f * B_noise`` (several times at one decision when
+  the noise scale has outgrown the batch by more). Unlike KungFu's doubling policy
   (`bigbatch.adaptive.doubling`), which follows the noise scale's growth from wherever
   the batch started, the target is absolute: a start batch already past ``f * B_noise``
   waits for the noise scale to catch up.
@@ -36,7 +37,7 @@ def doublings(batch: int, start: int) -> int:
 
 
 class NoiseScaleGrowth:
-    """`decide(noise_scale, batch, ceiling)` -> twice `batch`, or None to keep it."""
+    """`decide(noise_scale, batch, ceiling)` -> `batch` doubled once or more, or None."""
 
     def __init__(self, fraction: float) -> None:
         if not fraction > 0:
@@ -51,10 +52,13 @@ class NoiseScaleGrowth:
         return self.fraction * noise_scale
 
     def decide(self, noise_scale: float, batch: int, ceiling: int) -> int | None:
-        if 2 * batch > ceiling:
-            return None
+        """The largest ``batch * 2**n`` (n >= 1) within both the target and the ceiling:
+        a noise scale far above the batch is caught up with at once."""
         target = self.target(noise_scale)
-        return 2 * batch if target >= 2 * batch else None  # NaN compares False
+        new = batch
+        while 2 * new <= ceiling and 2 * new <= target:  # NaN compares False
+            new *= 2
+        return new if new > batch else None
 
 
 class SeesawGrowth:

@@ -87,10 +87,11 @@ class BatchSchedulePolicy(Policy):
             noise = self._noise_scale(run)
             new = self.noise_rule.decide(noise, batch, self.ceiling)
             why = (f"noise scale {noise:.4g} x fraction {self.noise_rule.fraction:g} = "
-                   f"{self.noise_rule.target(noise):.4g} >= {2 * batch}")
+                   f"{self.noise_rule.target(noise):.4g} >= {new}")
         if new is None:
             return
-        micro, k = run.batch.double(self.max_micro)
+        while run.plan.global_batch_size < new:
+            micro, k = run.batch.double(self.max_micro)
         reason = (f"{why}: global batch {batch} -> {run.plan.global_batch_size} (micro "
                   f"{micro} x {k} steps), peak LR {run.plan.peak_lr * run.clock.peak_factor:.4g}")
         run.batch_size_changes.append({"step": run.step, "old": batch,
