@@ -277,10 +277,10 @@ class Policies:
 
     def _batch_changed(self, run: Any, policy: Policy, hook: str, before: Any,
                        changes: int) -> None:
-        if run.mesh.degrees.needs_mesh:  # a fixed layout: ZeRO-2/3, tensor, pipeline
+        if run.pipeline is not None:  # its schedules are built for one micro-batch count
             raise PolicyError(
-                f"policy {policy.name!r}: {hook} changed the batch, which [sharding], tensor "
-                "and pipeline parallelism keep fixed; use plain data parallelism")
+                f"policy {policy.name!r}: {hook} changed the batch, which [pipeline] keeps "
+                "fixed; train without [pipeline]")
         if len(run.batch_size_changes) == changes:  # the policy set it directly: say so
             run.batch_size_changes.append({
                 "step": run.step, "old": before.global_batch_size,
