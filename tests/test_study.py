@@ -11,8 +11,9 @@ import torch
 import bigbatch.cli.study as C
 import bigbatch.study.sweep as S
 from bigbatch.errors import ConfigError
+from bigbatch.study.claims import claim_accuracy, claim_scaling, critical_batch
 from bigbatch.study.config import QUICK
-from bigbatch.study.report import _claim_accuracy, _claim_scaling, _fit_mccandlish, steps_to_target
+from bigbatch.study.report import _fit_mccandlish, steps_to_target
 from bigbatch.study.sweep import StudyConfig, run_study
 
 TINY = dict(task="mnist1d", model="mlp", task_options={"num_samples": 1000}, epochs=1,
@@ -136,25 +137,25 @@ def test_claims_are_computed_from_the_numbers():
     base = _cell("sgd", 128, 0.99)
     cells = [base, _cell("sgd", 1024, 0.95), _cell("sgd", 4096, 0.80),
              _cell("lars", 128, 0.99), _cell("lars", 1024, 0.988), _cell("lars", 4096, 0.90)]
-    claim = _claim_accuracy(cells, base, 0.005, True)
+    claim = claim_accuracy(cells, base, 0.005, True)
     assert claim["verdict"] == "partly held"
     assert "lars@1024" in claim["why"] and "lost it at lars@4096" in claim["why"]
     flat = [_cell("sgd", 128, 0.99), _cell("sgd", 1024, 0.988), _cell("lars", 1024, 0.99)]
-    assert _claim_accuracy(flat, flat[0], 0.005, True)["verdict"] == "untested"
+    assert claim_accuracy(flat, flat[0], 0.005, True)["verdict"] == "untested"
     # bpc: lower is better.
     lm = [_cell("sgd", 16, 2.0), _cell("sgd", 256, 2.3), _cell("lamb", 256, 2.01)]
-    assert _claim_accuracy(lm, lm[0], 0.02, False)["verdict"] == "held"
+    assert claim_accuracy(lm, lm[0], 0.02, False)["verdict"] == "held"
 
     steps = [_cell("sgd", 64, stt=1000), _cell("sgd", 128, stt=520), _cell("sgd", 256, stt=280),
              _cell("sgd", 512, stt=250), _cell("sgd", 1024, stt=None, steps=240)]
-    claim = _claim_scaling(steps, 256)
+    claim = claim_scaling(steps, 256)
     assert claim["verdict"] == "held"
     pairs = {(p["from"], p["to"]): p for p in claim["pairs"]}
     assert pairs[(64, 128)]["efficiency"] == pytest.approx(1000 / 520 / 2)
     assert pairs[(512, 1024)]["upper_bound"] and pairs[(512, 1024)]["region"] == "above"
     linear = [_cell("sgd", b, stt=64000 / b) for b in (64, 128, 256, 512, 1024)]
-    assert _claim_scaling(linear, 256)["verdict"] == "partly held"  # never flattens
-    assert _claim_scaling(linear, None)["verdict"] == "untested"
+    assert claim_scaling(linear, 256)["verdict"] == "partly held"  # never flattens
+    assert claim_scaling(linear, None)["verdict"] == "untested"
 
 
 def _args(*argv):
@@ -246,16 +247,14 @@ def test_quick_study_end_to_end(tmp_path):
 
 
 def test_critical_batch_prefers_well_trained_unbiased_cells():
-    from bigbatch.study.report import _critical_batch
-
     base = {"final": 0.99}
     cells = [{"final": 0.99, "noise_scale": 5000.0, "noise_scale_biased": True},
              {"final": 0.985, "noise_scale": 1000.0, "noise_scale_biased": False},
              {"final": 0.98, "noise_scale": 3000.0, "noise_scale_biased": False},
              {"final": 0.20, "noise_scale": 4.0, "noise_scale_biased": False}]  # diverged
-    b, source = _critical_batch(cells, base, 0.005, True)
+    b, source = critical_batch(cells, base, 0.005, True)
     assert b == pytest.approx(2000.0) and source.startswith("well-trained cells, unbiased")
-    b, source = _critical_batch(cells[:1] + cells[3:], base, 0.005, True)
+    b, source = critical_batch(cells[:1] + cells[3:], base, 0.005, True)
     assert b == 5000.0 and "biased" in source
 
 

@@ -20,12 +20,13 @@ from bigbatch.errors import ConfigError
 from bigbatch.train.signals import Stopped, exit_status
 
 __all__ = ["add_study_arguments", "config_from_args", "parse_batches", "parse_overrides",
-           "parse_strategies"]
+           "parse_seeds", "parse_strategies"]
 
 
 STUDY_HELP = "batch-size scaling study and its report"
-STUDY_DESCRIPTION = ("Train every (strategy, global batch) cell at a fixed epoch budget and "
-                     "write a report: table, figures, noise scale.")
+STUDY_DESCRIPTION = ("Train every (strategy, global batch, seed) cell at a fixed epoch budget "
+                     "and write a report: table, figures, noise scale, and the steps that "
+                     "growing batches and AdaScale save at equal quality.")
 
 
 def _strategy_names() -> tuple[str, ...]:
@@ -50,12 +51,26 @@ def parse_batches(text: str) -> list[int]:
 
 
 def parse_strategies(text: str) -> list[str]:
+    from bigbatch.study.schedules import check_name, valid_forms
+
     names = [s.strip() for s in text.split(",") if s.strip()]
     for s in names or [text]:
-        if s not in _strategy_names():
+        if not check_name(s, _strategy_names()):
             raise ConfigError(f"--strategies={text!r}: {s!r} is not a strategy; "
-                              f"valid: {', '.join(_strategy_names())}")
+                              f"valid: {valid_forms(_strategy_names())}")
     return names
+
+
+def parse_seeds(text: str) -> list[int]:
+    """`"0,1,2"` -> `[0, 1, 2]` (ConfigError naming the bad item)."""
+    out = []
+    for item in text.split(","):
+        try:
+            out.append(_seed(item.strip()))
+        except (argparse.ArgumentTypeError, ValueError) as e:
+            raise ConfigError(f"--seeds={text!r}: {item.strip()!r} is not a seed: {e}; "
+                              "give e.g. 0,1,2") from None
+    return out
 
 
 def parse_overrides(items: list[str]) -> dict[str, list[str]]:
@@ -80,8 +95,9 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
     a("--task-opt", dest="task_options", metavar="KEY=VALUE", action="append", default=[],
       help="task option, e.g. num_samples=20000 (repeatable)")
     a("--batches", metavar="B1,B2,...", help="global batch sizes (default: base x 1,4,16,64)")
-    a("--strategies", metavar="S1,S2", help=f"of {', '.join(_strategy_names())} (default: sgd and "
-      "lars, or lamb for an AdamW recipe)")
+    a("--strategies", metavar="S1,S2", help=f"of {', '.join(_strategy_names())}, or "
+      "STRATEGY@SCHEDULE (adaptive, seesaw, goodput, doubling: a batch growing from the "
+      "recipe's up to the cell's) (default: sgd and lars, or lamb for an AdamW recipe)")
     a("--epochs", type=_epochs, help="epoch budget of every cell (default: the recipe's)")
     a("--target", type=_float, help="test-metric target for steps-to-target "
       "(default: the small-batch baseline's final value minus 1 point / plus 0.05 bpc)")
@@ -98,6 +114,8 @@ def add_study_arguments(parser: argparse.ArgumentParser) -> None:
     a("--lr-find", action="store_true", help="every cell runs the LR range test before "
       "training and trains at the LR it finds ([batch] lr_find = true)")
     a("--seed", type=_seed, help="seed of every cell (default 0)")
+    a("--seeds", metavar="S1,S2", help="seeds: every cell runs once per seed, and the report "
+      "gives mean ± std over them (default: --seed)")
     a("--nproc", type=_positive_int, metavar="N", help="workers per cell (default 1: in-process)")
     a("--threads", type=_positive_int, metavar="N", help="torch threads per worker (default: "
       "torch's; use 1 on a shared CPU, --quick does)")
@@ -157,8 +175,13 @@ def config_from_args(args: argparse.Namespace) -> Any:
              "tolerance": args.tolerance, "micro_batch_size": args.micro_batch_size,
              "warmup_epochs": args.warmup_epochs, "evals_per_epoch": args.evals_per_epoch,
              "seed": args.seed, "nproc": args.nproc, "threads": args.threads, "out": args.out,
+             "seeds": parse_seeds(args.seeds) if args.seeds else None,
              "batches": parse_batches(args.batches) if args.batches else None,
              "strategies": parse_strategies(args.strategies) if args.strategies else None}
+    if args.seed is not None and args.seeds:
+        raise ConfigError(f"--seed {args.seed} and --seeds {args.seeds} are both given; give one")
+    if args.seed is not None:  # one seed from the command line wins over the file's seeds
+        values.pop("seeds", None)
     values.update({k: v for k, v in given.items() if v is not None})
     if args.no_progress:
         values["progress"] = False

@@ -10,6 +10,7 @@ from bigbatch.config.fields import check_fields
 from bigbatch.config.limits import COUNT_RULE, MAX_EPOCHS, SEED_RULE
 from bigbatch.errors import ConfigError
 from bigbatch.study.rules import STRATEGIES
+from bigbatch.study.schedules import check_name, valid_forms
 
 __all__ = ["QUICK", "StudyConfig"]
 
@@ -32,9 +33,12 @@ class StudyConfig:
     task_options: dict[str, Any] = field(default_factory=dict)
     """Task constructor options (e.g. `num_samples`)."""
     batches: list[int] | None = field(default=None, metadata=COUNT_RULE)
-    """Global batch sizes; None: the recipe's base batch x 1, 4, 16, 64."""
+    """Global batch sizes (a growing strategy's largest); None: the recipe's base batch x 1,
+    4, 16, 64."""
     strategies: list[str] | None = None
-    """Strategy names from `STRATEGIES`; None: sgd and the layer-wise one for the recipe."""
+    """Strategy names from `STRATEGIES`, or `"<strategy>@<schedule>"` (schedule adaptive,
+    seesaw, goodput or doubling: a batch that grows from the recipe's up to the cell's
+    batch, `bigbatch.study.schedules`); None: sgd and the layer-wise one for the recipe."""
     epochs: float | None = field(default=None, metadata={"gt": 0, "le": MAX_EPOCHS})
     """Epoch budget of every cell; None: the recipe's."""
     target: float | None = None
@@ -49,13 +53,17 @@ class StudyConfig:
     evals_per_epoch: int = field(default=4, metadata={"ge": 1, "le": 10_000})
     """Test evaluations per epoch (steps-to-target are interpolated between them)."""
     overrides: dict[str, list[str]] = field(default_factory=dict)
-    """Strategy name (or "all") -> `section.key=value` overrides of its cells."""
+    """Strategy name (or "all") -> `section.key=value` overrides of its cells. A base name's
+    apply to its growing forms too ("lars" to "lars@seesaw"), before their own."""
     lr_find: bool = False
     """Every cell runs the LR range test at its batch before training and trains at the
     peak LR it finds (`[batch] lr_find = true`), instead of the recipe's LR scaled by the
     strategy's rule; the found LR is in each cell's summary.json."""
     seed: int = field(default=0, metadata=SEED_RULE)
-    """Seed of every cell (same init and data order)."""
+    """Seed of every cell (same init and data order) when `seeds` is unset."""
+    seeds: list[int] | None = field(default=None, metadata=SEED_RULE)
+    """Seeds: every (strategy, batch) cell runs once per seed, and the report gives each
+    number as mean +- sample std over them. None: [seed]."""
     nproc: int = field(default=1, metadata={"ge": 1, "le": 4096})
     """Workers per cell; > 1 launches `bigbatch train` through torchrun."""
     threads: int | None = field(default=None, metadata={"ge": 1, "le": 4096})
@@ -75,12 +83,26 @@ class StudyConfig:
                                   "[128, 512, 2048]")
             self.batches = sorted(set(self.batches))
         if self.strategies is not None:
-            bad = [s for s in self.strategies if s not in STRATEGIES]
+            bad = [s for s in self.strategies if not check_name(s, STRATEGIES)]
             if bad or not self.strategies:
-                raise ConfigError(f"strategies={bad or '[]'}: unknown; valid: {', '.join(STRATEGIES)}")
+                raise ConfigError(f"strategies={bad or '[]'}: unknown; valid: "
+                                  f"{valid_forms(STRATEGIES)}")
             self.strategies = list(dict.fromkeys(self.strategies))
         for key in self.overrides:
-            if key != "all" and key not in STRATEGIES:
-                raise ConfigError(f"--set {key}:...: unknown strategy; valid: all, {', '.join(STRATEGIES)}")
+            if key != "all" and not check_name(key, STRATEGIES):
+                raise ConfigError(f"--set {key}:...: unknown strategy; valid: all, "
+                                  f"{valid_forms(STRATEGIES)}")
+        if self.seeds is not None:
+            if not self.seeds:
+                raise ConfigError("study.seeds is empty; give seeds, e.g. [0, 1]")
+            if self.seed and self.seed not in self.seeds:
+                raise ConfigError(f"study.seed={self.seed} is not in study.seeds={self.seeds}; "
+                                  "give one of them")
+            self.seeds = list(dict.fromkeys(self.seeds))
+
+    @property
+    def seed_list(self) -> list[int]:
+        """The seeds every cell runs with (`seeds`, else `[seed]`)."""
+        return list(self.seeds) if self.seeds is not None else [self.seed]
 
 

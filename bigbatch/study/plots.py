@@ -7,6 +7,8 @@ from typing import Any
 
 MARKERS = {"sgd": "o", "lars": "s", "lamb": "D", "adascale": "^", "kfac": "P"}
 STYLES = {"sgd": "-", "lars": "--", "lamb": "-.", "adascale": ":", "kfac": (0, (5, 1, 1, 1))}
+#: A growing batch's own marker, drawn large and unjoined in its base strategy's colour.
+GROWING = {"adaptive": "*", "seesaw": "X", "goodput": "h", "doubling": "p"}
 
 
 def _pyplot():
@@ -35,6 +37,50 @@ def _strategies(results: dict[str, Any]) -> list[str]:
     return list(dict.fromkeys(c["strategy"] for c in results["cells"]))
 
 
+def _rows(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The cells over seeds (results.json before seeds has only `cells`)."""
+    return results.get("rows") or results["cells"]
+
+
+def _base_colors(results: dict[str, Any]) -> dict[str, Any]:
+    """One colour per base strategy, shared by its fixed line and its growing markers."""
+    plt = _pyplot()
+    bases = dict.fromkeys(n.partition("@")[0] for n in _strategies(results))
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return {b: cycle[i % len(cycle)] for i, b in enumerate(bases)}
+
+
+def _std(r: dict[str, Any], key: str) -> float:
+    sp = (r.get("spread") or {}).get(key)
+    return (sp or {}).get("std") or 0.0
+
+
+def _growing_points(ax: Any, results: dict[str, Any], y_key: str, colors: dict[str, Any],
+                    fallback: str | None = None) -> None:
+    """Each growing row as its schedule's marker at its average batch (up to the target
+    where it reached it: steps x that batch = its samples to target, as for a fixed
+    batch), with the seeds' standard deviation as error bars."""
+    for r in _rows(results):
+        base, at, schedule = r["strategy"].partition("@")
+        if not at or r.get("final") is None:
+            continue
+        y = r.get(y_key)
+        reached = y is not None
+        if not reached and fallback is None:
+            continue
+        x = ((r.get("average_batch_to_target") if reached and y_key != "final" else None)
+             or r.get("average_batch"))
+        if not x:
+            continue
+        y = y if reached else r.get(fallback)
+        ax.errorbar([x], [y], yerr=[_std(r, y_key)] if reached else None,
+                    marker=GROWING.get(schedule, "*"), ms=13, ls="none",
+                    color=colors.get(base), mec="black" if reached else "red",
+                    mfc=colors.get(base) if reached else "none",
+                    label=f"{r['strategy']} ≤{r['global_batch_size']}"
+                          + ("" if reached else ": not reached (budget shown)"))
+
+
 def plot_curves(results: dict[str, Any], path: Path) -> None:
     """Test metric vs optimizer step, one panel per strategy, one line per batch."""
     plt = _pyplot()
@@ -42,12 +88,15 @@ def plot_curves(results: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, len(names), figsize=(5.2 * len(names), 4.2), sharey=True,
                              squeeze=False)
     for ax, name in zip(axes[0], names, strict=True):
+        labelled = set()
         for c in results["cells"]:
             if c["strategy"] != name or not c.get("evals"):
                 continue
             pts = [(s, v) for s, _, v in c["evals"] if v is not None]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", ms=4,
-                    color=colors[c["global_batch_size"]], label=f"batch {c['global_batch_size']}")
+            b = c["global_batch_size"]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", ms=4, color=colors[b],
+                    label=None if b in labelled else f"batch {'≤' if '@' in name else ''}{b}")
+            labelled.add(b)
         if results["target"] is not None:
             ax.axhline(results["target"], color="grey", ls="--", lw=1, label="target")
         ax.set_xscale("log")
@@ -67,24 +116,32 @@ def plot_curves(results: dict[str, Any], path: Path) -> None:
 
 
 def plot_steps(results: dict[str, Any], path: Path) -> None:
-    """Steps to target vs global batch (log-log), perfect scaling and the critical batch."""
+    """Steps to target vs global batch (log-log), perfect scaling and the critical batch;
+    the mean over seeds with their standard deviation, and growing batches as their own
+    markers at their average batch."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.8))
+    colors = _base_colors(results)
     anchor = None
     for name in _strategies(results):
-        cells = sorted((c for c in results["cells"] if c["strategy"] == name and c.get("steps")),
+        if "@" in name:
+            continue
+        cells = sorted((c for c in _rows(results) if c["strategy"] == name and c.get("steps")),
                        key=lambda c: c["global_batch_size"])
-        hit = [(c["global_batch_size"], c["steps_to_target"]) for c in cells
-               if c.get("steps_to_target")]
+        hit = [c for c in cells if c.get("steps_to_target")]
         miss = [(c["global_batch_size"], c["steps"]) for c in cells if not c.get("steps_to_target")]
         if hit:
-            ax.plot(*zip(*hit, strict=True), marker=MARKERS.get(name, "o"), ls=STYLES.get(name, "-"),
-                    label=name)
-            if anchor is None or hit[0][0] < anchor[0]:
-                anchor = hit[0]
+            ax.errorbar([c["global_batch_size"] for c in hit], [c["steps_to_target"] for c in hit],
+                        yerr=[_std(c, "steps_to_target") for c in hit], capsize=2,
+                        marker=MARKERS.get(name, "o"), ls=STYLES.get(name, "-"),
+                        color=colors[name], label=name)
+            first = (hit[0]["global_batch_size"], hit[0]["steps_to_target"])
+            if anchor is None or first[0] < anchor[0]:
+                anchor = first
         if miss:
             ax.scatter(*zip(*miss, strict=True), marker=MARKERS.get(name, "o"), facecolors="none",
                        edgecolors="red", s=60, label=f"{name}: not reached (budget shown)")
+    _growing_points(ax, results, "steps_to_target", colors, fallback="steps")
     batches = sorted({c["global_batch_size"] for c in results["cells"]})
     bc = results["critical_batch"]
     if anchor is not None and len(batches) > 1:
@@ -99,13 +156,13 @@ def plot_steps(results: dict[str, Any], path: Path) -> None:
         ax.axvline(bc, color="tab:red", lw=1.2, alpha=0.7, label=f"critical batch ~ {bc:.0f}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("global batch size")
+    ax.set_xlabel("global batch size (growing batches: their average)")
     ax.set_ylabel("optimizer steps to target")
     from bigbatch.study.markdown import fmt_metric
 
     ax.set_title(f"steps to {results['metric']} {fmt_metric(results['target'], results['metric'])}")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -140,9 +197,11 @@ def plot_noise(results: dict[str, Any], path: Path) -> None:
         if not pos:
             continue
         biased = any(r[3] for r in c["noise_scale_series"])
-        ax.plot([p[0] for p in pos], [p[1] for p in pos], ls=STYLES.get(c["strategy"], "-"),
+        seed = f" s{c['seed']}" if c.get("seed") else ""
+        ax.plot([p[0] for p in pos], [p[1] for p in pos],
+                ls=STYLES.get(c["strategy"].partition("@")[0], "-"),
                 color=colors[c["global_batch_size"]], lw=1.2,
-                label=f"{c['strategy']} @ {c['global_batch_size']}{' *' if biased else ''}")
+                label=f"{c['strategy']} at {c['global_batch_size']}{seed}{' *' if biased else ''}")
     if results["critical_batch"]:
         ax.axhline(results["critical_batch"], color="tab:red", lw=1, ls="--",
                    label=f"critical batch ~ {results['critical_batch']:.0f}")
@@ -168,7 +227,7 @@ def _zoom(ax: Any, results: dict[str, Any]) -> None:
     lo, hi = (b - span, min(1.0, b + span / 4)) if higher else (b - span / 4, b + span)
     if results["metric"] == "accuracy":
         hi = min(hi, 1.0)
-    for c in results["cells"]:
+    for c in _rows(results):
         v = c.get("final")
         if v is None or lo <= v <= hi:
             continue
@@ -187,12 +246,17 @@ def plot_final(results: dict[str, Any], path: Path) -> None:
     """Final test metric vs global batch, with the baseline and the tolerance band."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.8))
+    colors = _base_colors(results)
     for name in _strategies(results):
-        pts = sorted((c["global_batch_size"], c["final"]) for c in results["cells"]
+        if "@" in name:
+            continue
+        pts = sorted((c["global_batch_size"], c["final"], _std(c, "final")) for c in _rows(results)
                      if c["strategy"] == name and c.get("final") is not None)
         if pts:
-            ax.plot(*zip(*pts, strict=True), marker=MARKERS.get(name, "o"),
-                    ls=STYLES.get(name, "-"), label=name)
+            xs, ys, es = zip(*pts, strict=True)
+            ax.errorbar(xs, ys, yerr=es, capsize=2, marker=MARKERS.get(name, "o"),
+                        ls=STYLES.get(name, "-"), color=colors[name], label=name)
+    _growing_points(ax, results, "final", colors)
     base, tol = results["baseline"], results["tolerance"]
     if base is not None:
         ax.axhline(base["final"], color="grey", lw=1, label="small-batch baseline")

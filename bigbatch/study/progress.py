@@ -75,7 +75,7 @@ class StudyProgress:
             self._bar.stop()
 
     def _label(self, cell: Any) -> str:
-        return f"cell {self.index}/{self.n} {cell.name} @ {cell.batch}"
+        return f"cell {self.index}/{self.n} {cell.name} @ {cell.batch} seed {cell.seed}"
 
     def _poll(self) -> None:
         while not self._stop.wait(self.poll_s):

@@ -1,16 +1,17 @@
 """The study's analysis and report: results.json, report.md and PNG figures.
 
 Everything the report says is computed from the cells' `metrics.jsonl` and
-`summary.json`: steps to target, the measured noise scale (McCandlish et al.
-2018: the critical batch is about B_simple), and a verdict per claim of the seeds.
-`write` renders it: report.md in `bigbatch.study.markdown`, the figures in
-`bigbatch.study.plots`.
+`summary.json`: steps and samples to target (`bigbatch.study.samples`), the measured
+noise scale (McCandlish et al. 2018: the critical batch is about B_simple), the rows
+over seeds (`bigbatch.study.seeds`), the steps the adaptive methods save
+(`bigbatch.study.headline`) and a verdict per claim of the seeds
+(`bigbatch.study.claims`). `write` renders it: report.md in `bigbatch.study.markdown`,
+the figures in `bigbatch.study.plots`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import platform
 import statistics
 import time
@@ -18,11 +19,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from bigbatch.study.claims import claim_accuracy, claim_scaling, critical_batch
+from bigbatch.study.headline import headline
 from bigbatch.study.markdown import markdown
 from bigbatch.study.plots import plot_all
-
-NEAR_LINEAR = 0.6
-"""Scaling efficiency (S1/S2)/(B2/B1) at or above which steps fall "about linearly"."""
+from bigbatch.study.samples import batch_changes, samples_at
+from bigbatch.study.schedules import split_name
+from bigbatch.study.seeds import aggregate
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -98,6 +101,7 @@ def _settings(strategy: Any) -> str:
         parts.append(f"weight decay {o.weight_decay:g}")
     if strategy.adaptive.lr != "none":
         parts.append(f"adaptive lr {strategy.adaptive.lr}")
+    parts += _growth(strategy)
     if strategy.kfac.enable:
         k = strategy.kfac
         parts.append(f"K-FAC damping {k.damping:g}, factor decay {k.factor_decay:g}, factors every "
@@ -106,9 +110,32 @@ def _settings(strategy: Any) -> str:
     return ", ".join(parts)
 
 
+def _growth(strategy: Any) -> list[str]:
+    """How a growing cell's batch moves, in the words of its keys (none for a fixed one)."""
+    b, a = strategy.batch, strategy.adaptive
+    if b.schedule == "adaptive":
+        return [f"batch schedule adaptive from {b.start_batch_size or b.base_batch_size}, "
+                f"noise_scale_fraction {b.noise_scale_fraction:g}, every "
+                f"{b.schedule_interval_steps} steps"]
+    if b.schedule == "seesaw":
+        return [f"batch schedule seesaw from {b.start_batch_size or b.base_batch_size}, every "
+                f"{b.schedule_interval_steps} steps"]
+    if a.goodput:
+        return [f"goodput from {a.min_batch_size} up to the cell's batch, gain threshold "
+                f"{a.gain_threshold:g}, every {a.interval_steps} steps"]
+    if "noise_scale_doubling" in a.policies:
+        return [f"noise_scale_doubling from {b.global_batch_size} up to the cell's batch, every "
+                f"{a.interval_steps} steps"]
+    return []
+
+
 def _cell_record(cell: Any, state: dict[str, Any], metric: str) -> dict[str, Any]:
+    schedule = split_name(cell.name)[1]
+    start = (cell.strategy.resolve(cell.spec.get("nproc", 1)).global_batch_size
+             if schedule else None)
     rec: dict[str, Any] = {"strategy": cell.name, "global_batch_size": cell.batch,
-                           "dir": str(cell.dir), **state}
+                           "seed": cell.spec.get("seed", 0), "schedule": schedule,
+                           "start_batch_size": start, "dir": str(cell.dir), **state}
     summary = None
     if (cell.dir / "summary.json").is_file():
         summary = json.loads((cell.dir / "summary.json").read_text())
@@ -121,6 +148,13 @@ def _cell_record(cell: Any, state: dict[str, Any], metric: str) -> dict[str, Any
     rec["test"] = {k[5:]: v for k, v in summary.items() if k.startswith("test_")}
     rec["final"] = summary.get(f"test_{metric}")
     rec["evals"] = [[d["step"], d["epoch"], d.get(metric)] for d in lines if d.get("kind") == "eval"]
+    # Samples: exact at each evaluation from the batch changes (a fixed batch has none).
+    changes = batch_changes(lines)
+    first = changes[0][1] if changes else summary.get("global_batch_size") or cell.batch
+    rec["batch_changes"] = [list(ch) for ch in changes]
+    rec["eval_samples"] = samples_at([e[0] for e in rec["evals"]], first, changes)
+    rec["samples"] = summary.get("samples") or samples_at([rec["steps"] or 0], first, changes)[0]
+    rec["average_batch"] = rec["samples"] / rec["steps"] if rec.get("steps") else None
     rec["noise_scale_series"] = [[d["step"], _sig(d["epoch"]), _sig(d["gns"]),
                                   bool(d.get("gns_biased")), _sig(d.get("gns_trace")),
                                   _sig(d.get("gns_sq_norm"))]
@@ -142,8 +176,9 @@ def _cell_record(cell: Any, state: dict[str, Any], metric: str) -> dict[str, Any
 
 def _baseline(cells: list[dict[str, Any]], recipe: Any) -> dict[str, Any] | None:
     """The small-batch baseline: the recipe's optimizer (`sgd`) at the recipe's batch or
-    below (the smallest such cell); None when the grid has no such cell. A large-batch cell
-    is never taken for it: every "vs baseline" would then compare large with large."""
+    below (the smallest such cell, or row over seeds); None when the grid has no such
+    cell. A large-batch cell is never taken for it: every "vs baseline" would then
+    compare large with large."""
     small = [c for c in cells if c.get("final") is not None and c["strategy"] == "sgd"
              and c["global_batch_size"] <= recipe.base_batch_size]
     return min(small, key=lambda c: c["global_batch_size"]) if small else None
@@ -170,153 +205,43 @@ def budget_note(c: Any, recipe: Any, default_samples: int | None) -> str | None:
     return "small budget: " + ", ".join(parts) if parts else None
 
 
-HEALTHY = 4.0
-"""A cell within HEALTHY x tolerance of the baseline trained well enough to measure its noise."""
-
-
-def _critical_batch(cells, base, tol, higher) -> tuple[float | None, str]:
-    """Median late-training noise scale over the cells that trained well (a diverged run's
-    gradients say nothing about the good trajectory), unbiased estimates first."""
-    def value(c: dict[str, Any]) -> float:
-        return math.inf if c.get("noise_scale_unresolved") else c["noise_scale"]
-
-    measured = [c for c in cells if c.get("noise_scale") or c.get("noise_scale_unresolved")]
-    healthy = [c for c in measured if base is not None
-               and _loss_vs(c["final"], base["final"], higher) <= HEALTHY * tol]
-    for pool, label in ((healthy, "well-trained cells"), (measured, "all cells")):
-        unbiased = [value(c) for c in pool if not c.get("noise_scale_biased")]
-        kind = "unbiased"
-        if not unbiased:
-            unbiased, kind = [value(c) for c in pool], "biased"
-        if unbiased:
-            b = statistics.median(unbiased)
-            return (b if math.isfinite(b) else None), f"{label}, {kind} estimates ({len(unbiased)})"
-    return None, "none"
-
-
-def _loss_vs(value: float, base: float, higher: bool) -> float:
-    """How much worse `value` is than `base` (positive: worse)."""
-    return base - value if higher else value - base
-
-
-def _claim_accuracy(cells, base, tol, higher) -> dict[str, Any]:
-    by = {(c["strategy"], c["global_batch_size"]): c for c in cells if c.get("final") is not None}
-    layerwise = [s for s in ("lars", "lamb") if any(k[0] == s for k in by)]
-    claim = {"claim": "At a batch where SGD with linear scaling loses accuracy, LARS/LAMB stay "
-             f"within {tol:g} of the small-batch baseline in the same epochs", "rows": []}
-    if base is None:
-        return {**claim, "verdict": "untested",
-                "why": "no small-batch baseline (an sgd cell at the recipe's batch or below)"}
-    if not layerwise or not any(k[0] == "sgd" for k in by):
-        return {**claim, "verdict": "untested", "why": "needs sgd and lars or lamb cells"}
-    held, failed = [], []
-    for (name, batch), c in sorted(by.items(), key=lambda kv: kv[0][1]):
-        if name != "sgd" or batch <= base["global_batch_size"]:
-            continue
-        sgd_loss = _loss_vs(c["final"], base["final"], higher)
-        for lw in layerwise:
-            other = by.get((lw, batch))
-            if other is None:
-                continue
-            lw_loss = _loss_vs(other["final"], base["final"], higher)
-            row = {"global_batch_size": batch, "layerwise": lw, "sgd_loss": sgd_loss,
-                   "layerwise_loss": lw_loss, "sgd_lost": sgd_loss > tol,
-                   "layerwise_kept": lw_loss <= tol}
-            claim["rows"].append(row)
-            if row["sgd_lost"]:
-                (held if row["layerwise_kept"] else failed).append(f"{lw}@{batch}")
-    if not held and not failed:
-        return {**claim, "verdict": "untested",
-                "why": f"SGD with linear scaling stayed within {tol:g} at every batch of the grid"}
-    verdict = "held" if not failed else ("did not hold" if not held else "partly held")
-    why = (f"SGD lost more than {tol:g} at {len(held) + len(failed)} cell(s); the layer-wise "
-           f"optimizer kept accuracy at {', '.join(held) or 'none'}"
-           + (f" and lost it at {', '.join(failed)}" if failed else ""))
-    return {**claim, "verdict": verdict, "why": why}
-
-
-def _claim_scaling(cells, b_crit) -> dict[str, Any]:
-    """Scaling efficiency (S1/S2)/(B2/B1) of each pair of neighbouring batches of a strategy;
-    a pair is below the critical batch when its geometric mean is. A batch that never reached
-    the target gives an upper bound (its budget), which decides only when below NEAR_LINEAR."""
-    claim = {"claim": "Steps to target fall about linearly with the batch up to the critical "
-             "batch (measured noise scale) and flatten beyond it", "pairs": []}
-    if b_crit is None:
-        return {**claim, "verdict": "untested", "why": "no noise-scale measurement"}
-    sides: dict[str, list[float]] = {"below": [], "above": []}
-    open_pairs = 0
-    for name in dict.fromkeys(c["strategy"] for c in cells):
-        row = sorted((c for c in cells if c["strategy"] == name and c.get("steps")),
-                     key=lambda c: c["global_batch_size"])
-        for c1, c2 in zip(row, row[1:], strict=False):
-            s1, s2 = c1.get("steps_to_target"), c2.get("steps_to_target")
-            if s1 is None:
-                continue
-            b1, b2 = c1["global_batch_size"], c2["global_batch_size"]
-            bound = s2 is None
-            eff = (s1 / (s2 if s2 is not None else c2["steps"])) / (b2 / b1)
-            region = "below" if math.sqrt(b1 * b2) <= b_crit else "above"
-            claim["pairs"].append({"strategy": name, "from": b1, "to": b2, "efficiency": eff,
-                                   "upper_bound": bound, "region": region})
-            if bound and eff >= NEAR_LINEAR:
-                open_pairs += 1  # "at most 0.8" says neither linear nor flat
-            else:
-                sides[region].append(eff)
-    parts, verdicts = [], []
-    below, above = sides["below"], sides["above"]
-    if below:
-        m = statistics.median(below)
-        verdicts.append(m >= NEAR_LINEAR)
-        parts.append(f"below B_crit={b_crit:.0f} the median scaling efficiency is {m:.2f} over "
-                     f"{len(below)} pair(s) ({'about linear' if m >= NEAR_LINEAR else 'not linear'}"
-                     f"; threshold {NEAR_LINEAR})")
-    else:
-        parts.append(f"no decisive batch pair below B_crit={b_crit:.0f}")
-    if above:
-        m = statistics.median(above)
-        flat = m < NEAR_LINEAR
-        verdicts.append(flat)
-        parts.append(f"above it {m:.2f} over {len(above)} pair(s) "
-                     f"({'flattening' if flat else 'still about linear'})")
-    else:
-        parts.append("no decisive batch pair above it")
-    if open_pairs:
-        parts.append(f"{open_pairs} pair(s) undecided (target not reached, bound >= {NEAR_LINEAR})")
-    if not verdicts:
-        verdict = "untested"
-    elif len(verdicts) == 2:
-        verdict = "held" if all(verdicts) else "did not hold" if not any(verdicts) else "partly held"
-    else:
-        side = "below B_crit only" if below else "above B_crit only"
-        verdict = f"{'held' if verdicts[0] else 'did not hold'} ({side})"
-    return {**claim, "verdict": verdict, "why": "; ".join(parts)}
+def to_target(r: dict[str, Any], target: float, higher: bool) -> None:
+    """Steps, samples and epochs to `target` of one cell, and its average batch up to it."""
+    evals = [(step, v) for step, _, v in r["evals"]]
+    r["steps_to_target"] = stt = steps_to_target(evals, target, higher)
+    points = [(n, v) for n, (_, v) in zip(r["eval_samples"], evals, strict=True)]
+    r["samples_to_target"] = ntt = steps_to_target(points, target, higher)
+    per_epoch = r["samples"] / r["epochs"] if r.get("epochs") and r.get("samples") else None
+    r["epochs_to_target"] = ntt / per_epoch if ntt is not None and per_epoch else None
+    r["average_batch_to_target"] = ntt / stt if ntt is not None and stt else None
 
 
 def collect(c: Any, task: Any, recipe: Any, cells: list[Any], status: dict[str, dict],
-            command: str | None = None) -> dict[str, Any]:
-    """Every number of the report, as one JSON-able dict."""
+            command: str | None = None, skipped: list[str] | None = None) -> dict[str, Any]:
+    """Every number of the report, as one JSON-able dict: `cells` one per seed, `rows` the
+    cells over seeds (mean and spread), `headline` the adaptive rows' steps saved."""
     import torch
 
     metric, higher = task.metric, task.higher_is_better
     records = [_cell_record(cell, status.get(cell.dir.name, {}), metric) for cell in cells]
-    base = _baseline(records, recipe)
+    base = _baseline(aggregate(records), recipe)
     tol = c.tolerance if c.tolerance is not None else (0.005 if metric == "accuracy" else 0.02)
     target = c.target
     if target is None and base is not None:
         target = base["final"] - 0.01 if higher else base["final"] + 0.05
     for r in records:
         if r.get("evals") is not None and target is not None:
-            evals = [(s, v) for s, _, v in r["evals"]]
-            r["steps_to_target"] = steps_to_target(evals, target, higher)
-            spe = r["steps"] / r["epochs"] if r.get("epochs") else None
-            r["epochs_to_target"] = (r["steps_to_target"] / spe
-                                     if r["steps_to_target"] is not None and spe else None)
-    b_crit, b_from = _critical_batch(records, base, tol, higher)
+            to_target(r, target, higher)
+    rows = aggregate(records)
+    base = _baseline(rows, recipe)
+    fixed = [r for r in rows if r["schedule"] is None]
+    b_crit, b_from = critical_batch(records, base, tol, higher)
     fits = {}
-    for name in c.strategies:
-        pts = [(r["global_batch_size"], r["steps_to_target"]) for r in records
+    for name in (s for s in c.strategies if split_name(s)[1] is None):
+        pts = [(r["global_batch_size"], r["steps_to_target"]) for r in fixed
                if r["strategy"] == name and r.get("steps_to_target")]
         fits[name] = _fit_mccandlish(pts)
+    names = [s for s in c.strategies if any(x.name == s for x in cells)]
     return {
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
         "command": command,
@@ -325,18 +250,20 @@ def collect(c: Any, task: Any, recipe: Any, cells: list[Any], status: dict[str, 
                         "machine": platform.machine(),
                         "threads": c.threads or torch.get_num_threads()},
         "task": task.name, "model": c.model, "metric": metric, "higher_is_better": higher,
-        "recipe": asdict(recipe),
-        "rules": {s: _rule(s) for s in c.strategies},
-        "settings": {s: _settings(next(x.strategy for x in cells if x.name == s))
-                     for s in c.strategies},
-        "baseline": None if base is None else {"strategy": base["strategy"], "final": base["final"],
-                                               "global_batch_size": base["global_batch_size"]},
+        "recipe": asdict(recipe), "seeds": c.seed_list,
+        "rules": {s: _rule(s) for s in names},
+        "settings": {s: _settings(next(x.strategy for x in cells if x.name == s)) for s in names},
+        "skipped": list(skipped or []),
+        "baseline": None if base is None else {
+            k: base.get(k) for k in ("strategy", "final", "global_batch_size", "seeds",
+                                     "steps_to_target", "samples_to_target")},
         "no_baseline": no_baseline_line(recipe) if base is None else None,
         "budget": budget_note(c, recipe, _default_samples(task)),
         "target": target, "tolerance": tol,
         "critical_batch": b_crit, "critical_batch_from": b_from,
-        "fits": fits, "cells": records,
-        "claims": [_claim_accuracy(records, base, tol, higher), _claim_scaling(records, b_crit)],
+        "fits": fits, "cells": records, "rows": rows,
+        "headline": headline(rows, base, tol, higher),
+        "claims": [claim_accuracy(fixed, base, tol, higher), claim_scaling(fixed, b_crit)],
         "total_wall_s": sum(r.get("wall_time_s") or 0.0 for r in records),
     }
 
@@ -350,9 +277,9 @@ def _default_samples(task: Any) -> int | None:
 
 
 def _rule(name: str) -> str:
-    from bigbatch.study.rules import RULES
+    from bigbatch.study.rules import rule
 
-    return RULES[name]
+    return rule(name)
 
 
 def write(results: dict[str, Any], out: Path) -> None:

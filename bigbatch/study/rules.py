@@ -2,6 +2,8 @@
 
 `cell_strategy` turns (recipe, strategy name, global batch) into the Strategy of one cell;
 `RULES` says the same in one line each for the report. The sweep (`bigbatch.study.sweep`) applies them.
+A name `"<base>@<schedule>"` is the base strategy with a growing batch whose ceiling is the
+cell's batch (`bigbatch.study.schedules`).
 """
 
 from __future__ import annotations
@@ -46,9 +48,26 @@ def _warmup_epochs(c: Grid, recipe: Any) -> float:
     return max(recipe.warmup_epochs * min(1.0, epochs / recipe.epochs), epochs / 8)
 
 
+def rule(name: str) -> str:
+    """The report's line for a strategy name, a growing one included."""
+    from bigbatch.study.schedules import SCHEDULES, split_name
+
+    base, schedule = split_name(name)
+    if schedule is None:
+        return RULES[base]
+    return (f"{base} ({RULES[base]}) with a growing batch up to the cell's batch: "
+            f"{SCHEDULES[schedule]}")
+
+
 def cell_strategy(c: Grid, recipe: Any, name: str, batch: int) -> Any:
-    """The Strategy of cell (`name`, `batch`): the recipe scaled by the strategy's rule."""
+    """The Strategy of cell (`name`, `batch`): the recipe scaled by the strategy's rule;
+    for `"<base>@<schedule>"`, the base's at `batch` as the ceiling, growing from its start
+    (`bigbatch.study.schedules.scheduled_strategy`, which raises `NoGrowth` when the start
+    is not below `batch`)."""
     from bigbatch.config.strategy import Strategy
+    from bigbatch.study.schedules import cell_overrides, scheduled_strategy, split_name
+
+    full, (name, schedule) = name, split_name(name)
 
     micro = min(c.micro_batch_size, max(1, batch // c.nproc))
     if batch % (micro * c.nproc):
@@ -89,5 +108,7 @@ def cell_strategy(c: Grid, recipe: Any, name: str, batch: int) -> Any:
             b["base_lr"] = LARS_DEFAULT["base_lr"]
             d["optimizer"] = {"type": "momentum", "momentum": 0.9, "weight_decay": 5e-4}
         d["kfac"] = {}
-    s = Strategy.from_dict(d)
-    return s.with_overrides([*c.overrides.get("all", []), *c.overrides.get(name, [])])
+    items = cell_overrides(c.overrides, full)
+    if schedule is not None:
+        return scheduled_strategy(d, full, batch, items, c.nproc)
+    return Strategy.from_dict(d).with_overrides(items)

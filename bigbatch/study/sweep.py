@@ -1,9 +1,11 @@
 """`bigbatch study`: a batch-size sweep at a fixed epoch budget, and its report.
 
-Every (strategy, global batch) cell trains the same task from the same seed for
-the same number of epochs; each strategy scales one small-batch recipe (the
-task's `Recipe`) by its own rule (`bigbatch.study.rules.RULES`). Each cell writes the usual `train`
-outputs under `OUT/cells/<strategy>-b<batch>/`; the study then reads their
+Every (strategy, global batch, seed) cell trains the same task for the same number
+of epochs (the same seed gives the same init and data order); each strategy scales one
+small-batch recipe (the task's `Recipe`) by its own rule (`bigbatch.study.rules.RULES`),
+and `"<strategy>@<schedule>"` grows its batch up to the cell's (`bigbatch.study.schedules`).
+Each cell writes the usual `train` outputs under `OUT/cells/<strategy>-b<batch>[-s<seed>]/`
+(`schedules.dir_name`); the study then reads their
 `metrics.jsonl` / `summary.json` and writes `OUT/report.md`, `OUT/results.json`
 and PNG figures (`bigbatch.study.report`). The strategies and their rules are in
 `bigbatch.study.rules`.
@@ -31,6 +33,7 @@ from typing import Any
 from bigbatch.errors import ConfigError
 from bigbatch.study.config import StudyConfig
 from bigbatch.study.rules import _warmup_epochs, cell_strategy
+from bigbatch.study.schedules import NoGrowth, dir_name
 
 CELL_FILE, PENDING_FILE, CELL_STRATEGY = "study_cell.json", "study_pending.json", "study_strategy.toml"
 
@@ -39,13 +42,14 @@ CELL_FILE, PENDING_FILE, CELL_STRATEGY = "study_cell.json", "study_pending.json"
 
 @dataclass
 class Cell:
-    """One (strategy, global batch) run."""
+    """One (strategy, global batch, seed) run; `batch` is the ceiling of a growing one."""
 
     name: str
     batch: int
     dir: Path
     strategy: Any
     spec: dict[str, Any]
+    seed: int = 0
 
 
 def resolved(config: StudyConfig) -> tuple[StudyConfig, Any]:
@@ -70,24 +74,35 @@ def resolved(config: StudyConfig) -> tuple[StudyConfig, Any]:
     return c, (task, recipe)
 
 
-def build_cells(c: StudyConfig, task: Any, recipe: Any) -> list[Cell]:
-    """Every cell, validated (batch arithmetic and schedule) before anything runs."""
+def build_cells(c: StudyConfig, task: Any, recipe: Any,
+                skipped: list[str] | None = None) -> list[Cell]:
+    """Every cell, validated (batch arithmetic and schedule) before anything runs. A growing
+    strategy's cell whose ceiling is not above its start is left out, and its reason
+    appended to `skipped`."""
     from bigbatch.train.config import TrainConfig
     from bigbatch.train.plan import plan_run
 
     cells, out = [], Path(c.out) / "cells"
     for name in c.strategies:
         for batch in c.batches:
-            s = cell_strategy(c, recipe, name, batch)
+            try:
+                s = cell_strategy(c, recipe, name, batch)
+            except NoGrowth as e:
+                if skipped is not None:
+                    skipped.append(str(e))
+                continue
             tc = TrainConfig(task=c.task, model=c.model, task_options=c.task_options,
-                             epochs=c.epochs, seed=c.seed)
+                             epochs=c.epochs, seed=c.seed_list[0])
             sampler = plan_run(tc, s, task, c.nproc)[1]
+            # Evaluations every so many steps of the first batch: a growing one's epochs
+            # take fewer steps as it grows, and are evaluated less often.
             eval_every = max(1, sampler.steps_per_epoch // c.evals_per_epoch)
-            spec = {"task": c.task, "model": c.model, "task_options": c.task_options,
-                    "epochs": c.epochs, "seed": c.seed, "nproc": c.nproc,
-                    "eval_every": eval_every, "strategy": s.to_dict()}
-            spec = json.loads(json.dumps(spec))  # the form it has when read back
-            cells.append(Cell(name, batch, out / f"{name}-b{batch}", s, spec))
+            for seed in c.seed_list:
+                spec = {"task": c.task, "model": c.model, "task_options": c.task_options,
+                        "epochs": c.epochs, "seed": seed, "nproc": c.nproc,
+                        "eval_every": eval_every, "strategy": s.to_dict()}
+                spec = json.loads(json.dumps(spec))  # the form it has when read back
+                cells.append(Cell(name, batch, out / dir_name(name, batch, seed), s, spec, seed))
     return cells
 
 
@@ -201,7 +216,8 @@ def run_study(config: StudyConfig, *, run_missing: bool = True,
     from bigbatch.study.progress import StudyProgress
 
     c, (task, recipe) = resolved(config)
-    cells = build_cells(c, task, recipe)
+    skipped: list[str] = []
+    cells = build_cells(c, task, recipe, skipped)
     out = Path(c.out)
     out.mkdir(parents=True, exist_ok=True)
     # The command that trained the cells (a --report-only run keeps the previous one).
@@ -226,7 +242,7 @@ def run_study(config: StudyConfig, *, run_missing: bool = True,
     elif todo:
         for cell in todo:
             status[cell.dir.name] = {"status": "missing"}
-    results = _report.collect(c, task, recipe, cells, status, command=command)
+    results = _report.collect(c, task, recipe, cells, status, command=command, skipped=skipped)
     _report.write(results, out)
     return results
 
