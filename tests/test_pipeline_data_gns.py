@@ -165,7 +165,7 @@ def _job_args(out, steps, *extra):
             *[a for k, v in TINY.items() for a in ("--task-opt", f"{k}={v}")],
             "--set", "pipeline.pp_degree=2", "--set", "pipeline.accumulate_steps=2",
             "--set", "batch.global_batch_size=32", "--set", "batch.warmup_epochs=0",
-            "--set", "adaptive.noise_scale=true", *extra]
+            "--set", "adaptive.noise_scale=true", "--set", "adaptive.gns_warmup_steps=0", *extra]
 
 
 @pytest.mark.slow  # test_pipeline_gns.py has the fast one
@@ -193,7 +193,7 @@ def test_main_job_writes_the_noise_scale(tmp_path, capfd):
 
 # test_sharded_train's charlm LAMB run, without its merge, with the noise scale on.
 JOB = (STRATEGY.replace("[gradient_merge]\nk_steps = 2\n", "")
-       + "\n[adaptive]\nnoise_scale = true\n")
+       + "\n[adaptive]\nnoise_scale = true\ngns_warmup_steps = 0\n")
 SINGLE = JOB + "\n[gradient_merge]\nk_steps = 2\n"
 PP2_DP2 = JOB + "\n[pipeline]\npp_degree = 2\naccumulate_steps = 2\n"
 

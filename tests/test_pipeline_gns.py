@@ -36,7 +36,8 @@ def make_strategy(pipeline: dict | None, optimizer: str = "momentum",
         "batch": {"global_batch_size": GLOBAL, "base_batch_size": 4, "base_lr": 0.05,
                   "warmup_steps": 0, "scaling": "none"},
         "optimizer": {"type": optimizer, "weight_decay": 0.0, "epsilon": 1e-6},
-        "adaptive": {"noise_scale": True, "lr": lr},
+        # Every step's estimate is compared, the first ones too (no estimator warm-up).
+        "adaptive": {"noise_scale": True, "lr": lr, "gns_warmup_steps": 0},
     }
     if pipeline is None:
         d["gradient_merge"] = {"k_steps": merge_k}
@@ -256,7 +257,7 @@ def test_main_job_writes_the_noise_scale(tmp_path):
                  *[a for k, v in TINY.items() for a in ("--task-opt", f"{k}={v}")],
                  "--set", "pipeline.pp_degree=2", "--set", "pipeline.accumulate_steps=4",
                  "--set", "batch.global_batch_size=32", "--set", "batch.warmup_epochs=0",
-                 "--set", "adaptive.noise_scale=true"])
+                 "--set", "adaptive.noise_scale=true", "--set", "adaptive.gns_warmup_steps=0"])
     assert code == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     gns = [r["gns"] for r in rows if "gns" in r]
