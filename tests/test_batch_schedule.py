@@ -234,3 +234,23 @@ def test_main_job_records_each_doubling_and_a_killed_run_resumes_to_the_same_wei
                 .splitlines()]
     assert [c["step"] for c in changes] == [
         c["step"] for c in cut_rows if c["kind"] == "batch_size"]
+
+
+@pytest.mark.usefixtures("train_env")
+def test_lr_find_sweeps_at_the_start_batch_and_never_grows_it(tmp_path, caplog):
+    import logging
+
+    import test_train as tt
+
+    from bigbatch.train.trainer import train
+
+    caplog.set_level(logging.INFO, logger="bigbatch.adaptive")
+    out = tmp_path / "run"
+    text = MAIN_JOB.replace('schedule = "adaptive"', 'schedule = "adaptive"\nlr_find = true')
+    summary = train(tt._config(out, model="mlp", steps=40), Strategy.from_toml(text))
+    assert summary["lr_find"]["global_batch_size"] == 32  # the start, not the ceiling
+    grew = [r for r in caplog.records if "global batch" in r.getMessage()]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    changes = [r for r in rows if r["kind"] == "batch_size"]
+    # Every doubling logged is one of the run's: the sweep (15 steps) never grew its batch.
+    assert changes and len(grew) == len(changes)

@@ -79,7 +79,8 @@ def run_lr_find_command(args: argparse.Namespace) -> int:
     model_name = task.check_model(args.model)
     strategy = (Strategy.from_toml(Path(args.config)) if args.config is not None
                 else Strategy.from_toml(task.demo_strategy)).with_overrides(args.overrides)
-    plan = strategy.resolve(1)
+    plan = strategy.resolve(1)  # a growing batch's start: where its LR is found
+    strategy = strategy.with_overrides(["batch.schedule=fixed", "batch.start_batch_size=none"])
     if plan.global_batch_size > len(task.train_set):
         raise ConfigError(f"global batch {plan.global_batch_size} is larger than the training "
                           f"set ({len(task.train_set)} samples)")

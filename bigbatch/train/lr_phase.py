@@ -111,8 +111,10 @@ def find_peak_lr(task: Any, model_name: str, initial: dict[str, torch.Tensor], s
     b = strategy.batch
     model = task.build_model(model_name)
     model.load_state_dict(initial)
-    # A flat schedule: the sweep sets each step's LR itself, as a multiple of the schedule's.
-    flat = dataclasses.replace(b, warmup_steps=0, warmup_epochs=0.0, decay="none")
+    # A flat schedule at one batch (a growing one sweeps at its start): the sweep sets each
+    # step's LR itself, as a multiple of the schedule's.
+    flat = dataclasses.replace(b, warmup_steps=0, warmup_epochs=0.0, decay="none",
+                               schedule="fixed", start_batch_size=None)
     sweep_strategy = dataclasses.replace(strategy, batch=flat, adaptive=AdaptiveConfig())
     run = prepare(model, sweep_strategy, total_steps=strategy.lr_find_steps,
                   steps_per_epoch=steps_per_epoch, world=world, plan=plan)
