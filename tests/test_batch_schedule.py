@@ -254,3 +254,20 @@ def test_lr_find_sweeps_at_the_start_batch_and_never_grows_it(tmp_path, caplog):
     changes = [r for r in rows if r["kind"] == "batch_size"]
     # Every doubling logged is one of the run's: the sweep (15 steps) never grew its batch.
     assert changes and len(grew) == len(changes)
+
+
+@pytest.mark.parametrize("adaptive, schedule, want", [
+    ({"noise_scale": True}, "fixed", True),           # AdaptDL's: what Adam's step sees
+    ({}, "adaptive", False),                          # McCandlish's critical batch
+    ({"gns_gradient": "preconditioned"}, "adaptive", True),
+    ({"noise_scale": True, "gns_gradient": "raw"}, "fixed", False),
+])
+def test_which_gradient_the_noise_scale_of_adamw_is_of(adaptive, schedule, want):
+    from bigbatch.engine.adaptive import preconditioned
+
+    s = strategy("adamw", 256, gradient_merge={"avg": True}, adaptive=adaptive)
+    s = s.with_overrides([f"batch.schedule={schedule}"])
+    assert preconditioned(s) is want
+    run = prepare(make_model(), s, total_steps=10, world=ONE)
+    assert run.adaptive.preconditioned is want
+    assert run.adaptive.warmup_steps == (10 if want else 0)

@@ -35,6 +35,12 @@ class AdaptiveConfig(_Section):
     """Track the gradient noise scale (GNS) and report it."""
     gns_ema: float = _f(0.95, ge=0, lt=1)
     """EMA decay of the gradient-statistics estimators."""
+    gns_gradient: str = _f("auto", choices=("auto", "raw", "preconditioned"))
+    """Whose noise scale: raw, the gradient itself (McCandlish et al. measured Adam-trained
+    models this way); preconditioned, g / (sqrt(v) + eps) as AdamW/LAMB's next update sees
+    it (AdaptDL's choice for AdaScale and goodput). auto: preconditioned for AdamW/LAMB,
+    except under batch.schedule = "adaptive", whose rule is McCandlish's critical batch
+    (on charlm the preconditioned one was 100x the batch AdamW keeps its quality at)."""
     gns_warmup_steps: int | None = _f(None, ge=0)
     """Optimizer steps at the start whose noise estimates are dropped (nothing reads the
     noise scale before the first estimate after them). Unset: 10 for AdamW/LAMB, whose

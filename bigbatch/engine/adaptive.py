@@ -112,6 +112,14 @@ def unit_of(strategy: Any, plan: Any) -> int:
     return strategy.batch.base_batch_size if adascale else plan.global_batch_size
 
 
+def preconditioned(strategy: Any) -> bool:
+    """Whether the noise scale is of ``g / (sqrt(v_hat) + eps)`` (`adaptive.gns_gradient`)."""
+    choice = strategy.adaptive.gns_gradient
+    if choice != "auto":
+        return choice == "preconditioned"
+    return strategy.optimizer.type == "adamw" and strategy.batch.schedule != "adaptive"
+
+
 class _Consecutive(ConsecutiveSteps):
     """`ConsecutiveSteps` whose stored gradient is part of the checkpoint (exact resume)."""
 
@@ -145,7 +153,7 @@ class Adaptive:
         self._clock = clock
         self._window = window
         self._batch = batch
-        self.preconditioned = strategy.optimizer.type == "adamw"
+        self.preconditioned = preconditioned(strategy)
         self._batch_grows = strategy.batch.schedule != "fixed"
         """Norms of ``g / (sqrt(v) + eps)`` (AdamW, LAMB) instead of ``g``."""
         self.tracker = GradientNoiseScale(a.gns_ema)
@@ -154,7 +162,7 @@ class Adaptive:
         """Optimizer steps whose estimates the tracker never sees (`adaptive.gns_warmup_steps`)."""
         self.adascale: AdaScale | None = None
         if a.lr == "adascale":
-            power = 0.5 if self.preconditioned else 1.0
+            power = 0.5 if strategy.optimizer.type == "adamw" else 1.0  # AdamScale
             self.adascale = AdaScale(strategy.batch.base_batch_size, batch.plan.global_batch_size,
                                      power=power)
         self.tuner: GoodputTuner | None = None
