@@ -82,7 +82,8 @@ def assert_stats_match(run, expected: GradientNoiseScale):
 def test_noise_scale_under_merge_equals_direct_computation(opt, k):
     x, y = make_data(steps=5)
     micro = 256 // k
-    run = prepare(make_model(), strategy(opt, micro=micro, k=k, adaptive={"noise_scale": True}),
+    run = prepare(make_model(), strategy(opt, micro=micro, k=k, adaptive={"noise_scale": True,
+                                                                     "gns_warmup_steps": 0}),
                   total_steps=5, world=ONE)
     snaps = []
     snapshot_hook(run, snaps)
@@ -133,7 +134,7 @@ def test_adascale_progress_and_lr_under_merge(opt, power):
     steps, total = 6, 30
     x, y = make_data(steps=steps)
     s = strategy(opt, micro=128, k=2, batch={"scaling": "none", "warmup_steps": 4},
-                 adaptive={"lr": "adascale"})
+                 adaptive={"lr": "adascale", "gns_warmup_steps": 0})
     run = prepare(make_model(), s, total_steps=total, world=ONE)
     ada = run.adaptive.adascale
     assert ada.scale == 4 and ada.power == power
@@ -176,7 +177,7 @@ def test_resume_is_bit_identical_with_adaptive_state(opt, k):
     x, y = make_data(steps=6)
     micro = 256 // (k or 1)
     s = strategy(opt, micro=micro, k=k, batch={"scaling": "none"},
-                 adaptive={"lr": "adascale", "noise_scale": True})
+                 adaptive={"lr": "adascale", "noise_scale": True, "gns_warmup_steps": 0})
     full = prepare(make_model(), s, total_steps=40, world=ONE)
     feed(full, x, y, micro)
     first = prepare(make_model(), s, total_steps=40, world=ONE)
