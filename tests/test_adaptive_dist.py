@@ -50,7 +50,8 @@ def _worker() -> dict:
     out: dict = {}
     x, y = make_data(steps=STEPS)
     for opt, micro, k in GNS_CASES:
-        run = prepare(make_model(), strategy(opt, micro=micro, k=k, adaptive={"noise_scale": True}),
+        run = prepare(make_model(), strategy(opt, micro=micro, k=k, adaptive={
+            "noise_scale": True, "gns_warmup_steps": 0}),
                       total_steps=STEPS)
         snaps: list = []
         snapshot_hook(run, snaps)
