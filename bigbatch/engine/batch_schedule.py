@@ -48,7 +48,7 @@ class BatchSchedulePolicy(Policy):
 
     name = "batch_schedule"
 
-    def __init__(self, mode: str, noise_scale_fraction: float = 0.25,
+    def __init__(self, mode: str, noise_scale_fraction: float = 1.0,
                  interval_steps: int = 10) -> None:
         if mode not in ("adaptive", "seesaw"):
             raise ConfigError(f'batch.schedule={mode!r}: the policy grows "adaptive" or '
