@@ -103,7 +103,7 @@ def test_bad_start_or_schedule_is_one_line(overrides, message):
      'batch.schedule="adaptive" with adaptive.batch_size="goodput"'),
     ({"adaptive": {"lr": "adascale"}, "batch": {"scaling": "none"}},
      'batch.schedule="adaptive" with adaptive.lr="adascale"'),
-    ({"sharding": {"stage": 3}}, 'batch.schedule = "adaptive" with [sharding]: it follows'),
+    ({"sharding": {"stage": 3}}, 'batch.schedule="adaptive" with [sharding]: it follows'),
 ])
 def test_what_a_growing_batch_does_not_combine_with_is_refused(sections, message):
     d = {**sections, "batch": {"global_batch_size": 256, "schedule": "adaptive",
@@ -272,3 +272,14 @@ def test_which_gradient_the_noise_scale_of_adamw_is_of(adaptive, schedule, want)
     run = prepare(make_model(), s, total_steps=10, world=ONE)
     assert run.adaptive.preconditioned is want
     assert run.adaptive.warmup_steps == (10 if want else 0)
+
+
+@pytest.mark.parametrize("opt, rule", [("sgd", "adaptive"), ("lars", "adaptive"),
+                                       ("adamw", "seesaw"), ("lamb", "seesaw")])
+def test_auto_is_the_noise_rule_for_momentum_and_seesaw_for_adam(opt, rule):
+    s = strategy(opt, 256, gradient_merge={"avg": True}).with_overrides(
+        ["batch.schedule=auto", "batch.start_batch_size=32"])
+    run = prepare(make_model(), s, total_steps=10, world=ONE)
+    policy, = run.policies
+    assert policy.mode == rule and (run.adaptive is not None) == (rule == "adaptive")
+    assert f"auto = {rule}: 32 -> at most 256" in s.overview(1)

@@ -5,7 +5,6 @@ fits which setup; this module holds the torch (and ``torch.distributed``) side, 
 estimators there stay pure arithmetic on floats.
 """
 
-import math
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 

@@ -99,8 +99,9 @@ def add_train_arguments(t: argparse.ArgumentParser) -> None:
                    "at the peak LR it finds (= --set batch.lr_find=true; a resume keeps the "
                    "LR found)")
     t.add_argument("--auto-batch", action="store_true",
-                   help="start at the recipe's batch and double it as the measured noise "
-                   "scale grows, up to the global batch (= --set batch.schedule=adaptive; "
+                   help="start at the recipe's batch and double it up to the global batch: "
+                   "as the measured noise scale grows (momentum SGD, LARS) or where the "
+                   "decay halves the LR (AdamW, LAMB) (= --set batch.schedule=auto; "
                    "docs/auto-batch.md)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard event files")
@@ -187,7 +188,7 @@ def resolve(args: argparse.Namespace):
     if args.lr_find:
         overrides.append("batch.lr_find=true")
     if args.auto_batch:
-        overrides.append("batch.schedule=adaptive")
+        overrides.append("batch.schedule=auto")
     strategy = strategy.with_overrides(overrides)
     if config.model is not None and config.model not in cls.models:
         raise ConfigError(

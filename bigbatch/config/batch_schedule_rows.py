@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from bigbatch.config.conflict import Conflict
+from bigbatch.config.schedules import growth_rule
 
 __all__ = ["BATCH_SCHEDULE_ROWS", "growing"]
 
@@ -51,14 +52,14 @@ BATCH_SCHEDULE_ROWS: tuple[Conflict, ...] = (
       values=lambda s, c: {"key": growing(s), "other": _other_chooser(s)}),
     C("schedule-adaptive-mesh", 'batch.schedule = "adaptive"',
       "[sharding] or tensor parallelism",
-      lambda s, c: (s.batch.schedule == "adaptive"
+      lambda s, c: (growth_rule(s.batch.schedule, s.optimizer.type) == "adaptive"
                     and (s.sharding.enable or s.tensor_parallel.tensor_parallel_degree > 1)),
-      "{a} with {what}: {reason}; {fix}",
+      "{key} with {what}: {reason}; {fix}",
       "it follows the noise scale, which needs each worker's whole gradient before it is "
       "reduced, and sharded or sliced gradients are not whole",
       'use batch.schedule = "seesaw" (it needs no noise scale), or plain data parallelism',
       {**_ADAPT, "sharding": {}},
-      values=lambda s, c: {"what": "[sharding]" if s.sharding.enable
+      values=lambda s, c: {"key": growing(s), "what": "[sharding]" if s.sharding.enable
                            else "tensor parallelism"}),
 )
 del C

@@ -16,10 +16,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from bigbatch.config.batch_schedule_rows import BATCH_SCHEDULE_ROWS
 from bigbatch.config.comm import LOSSY, local_sgd_section, reduce_mode
 from bigbatch.config.conflict import NO_CONTEXT, Conflict, Context
-from bigbatch.config.batch_schedule_rows import BATCH_SCHEDULE_ROWS
 from bigbatch.config.lr_find_rows import LR_FIND_ROWS
+from bigbatch.config.schedules import growth_rule
 from bigbatch.errors import ConfigError
 
 __all__ = ["CONFLICTS", "Conflict", "Context", "check", "conflicts"]
@@ -69,7 +70,8 @@ def _gns_key(s: Any, policies: bool = True, doubling: bool = True) -> str | None
             'adaptive.batch_size="goodput"' if goodput else
             'adaptive.policies=["noise_scale_doubling"]'
             if doubling and "noise_scale_doubling" in a.policies else
-            'batch.schedule="adaptive"' if s.batch.schedule == "adaptive" else None)
+            f'batch.schedule="{s.batch.schedule}"'
+            if growth_rule(s.batch.schedule, s.optimizer.type) == "adaptive" else None)
 
 
 def _switched_on(s: Any) -> str | None:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from bigbatch.config.parallelism import Degrees, degrees
-from bigbatch.config.schedules import grown_warmup, warmup_start_lr, warmup_steps_of
+from bigbatch.config.schedules import grown_warmup, growth_rule, warmup_start_lr, warmup_steps_of
 from bigbatch.config.sections import KEYS, SECTIONS
 
 __all__ = ["render_overview", "strategy_overview"]
@@ -176,9 +176,11 @@ def _derived_rows(
 
 def _growth_rows(strategy: Any, plan: Any, deg: Degrees) -> list[tuple[str, Any]]:
     b, ceiling = strategy.batch, strategy.ceiling(deg.data).global_batch_size
+    rule = growth_rule(b.schedule, strategy.optimizer.type)
     when = (f"2 x batch <= {b.noise_scale_fraction:g} x noise scale"
-            if b.schedule == "adaptive" else "the decay halves the LR")
-    return [("batch schedule", f"{b.schedule}: {plan.global_batch_size} -> at most {ceiling}"),
+            if rule == "adaptive" else "the decay halves the LR")
+    name = rule if rule == b.schedule else f"{b.schedule} = {rule}"
+    return [("batch schedule", f"{name}: {plan.global_batch_size} -> at most {ceiling}"),
             ("doubles when", when), ("peak LR on doubling", f"follows {b.scaling} scaling")]
 
 

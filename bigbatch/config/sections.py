@@ -115,7 +115,8 @@ class BatchConfig(_Section):
     batch throughout. adaptive: start at start_batch_size and double the batch whenever it
     is at most noise_scale_fraction of the measured gradient noise scale (McCandlish et al.
     2018), up to global_batch_size, which becomes the ceiling. seesaw: double it wherever
-    the decay halves the LR (Meterez et al. 2025). On each doubling the peak LR follows
+    the decay halves the LR (Meterez et al. 2025). auto (--auto-batch): adaptive for
+    momentum SGD and LARS, seesaw for AdamW and LAMB. On each doubling the peak LR follows
     `scaling`; the schedule counts samples, so the decay ends with the sample budget."""
     start_batch_size: int | None = _f(None, ge=1)
     """adaptive / seesaw: the global batch at the start; unset: base_batch_size (the

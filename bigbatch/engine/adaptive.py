@@ -33,6 +33,7 @@ import torch.distributed as dist
 from bigbatch.adaptive.adascale import AdaScale
 from bigbatch.adaptive.gns import ConsecutiveSteps, GradientNoiseScale, sq_norm
 from bigbatch.adaptive.goodput import GoodputTuner, Suggestion
+from bigbatch.config.schedules import growth_rule
 from bigbatch.engine.local_norms import install_local_norms, preconditioned_grads
 from bigbatch.errors import ConfigError
 
@@ -71,8 +72,8 @@ def check(strategy: Any, plan: Any = None) -> bool:
     """Validate `[adaptive]` against the rest of the strategy; True when it is active."""
     a = getattr(strategy, "adaptive", None)
     on = _switched_on(a) if a is not None else []
-    if strategy.batch.schedule == "adaptive":  # it follows the noise scale
-        on.append('batch.schedule="adaptive"')
+    if growth_rule(strategy.batch.schedule, strategy.optimizer.type) == "adaptive":
+        on.append(f'batch.schedule="{strategy.batch.schedule}"')  # it follows the noise scale
     if not on:
         return False
     if getattr(strategy.data_parallel, "reduce", "mean") == "adasum":
@@ -117,7 +118,8 @@ def preconditioned(strategy: Any) -> bool:
     choice = strategy.adaptive.gns_gradient
     if choice != "auto":
         return choice == "preconditioned"
-    return strategy.optimizer.type == "adamw" and strategy.batch.schedule != "adaptive"
+    grows = growth_rule(strategy.batch.schedule, strategy.optimizer.type) == "adaptive"
+    return strategy.optimizer.type == "adamw" and not grows
 
 
 class _Consecutive(ConsecutiveSteps):

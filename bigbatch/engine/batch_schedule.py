@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from bigbatch.adaptive.batch_growth import NoiseScaleGrowth, SeesawGrowth
 from bigbatch.adaptive.policy import Policy
+from bigbatch.config.schedules import growth_rule
 from bigbatch.errors import ConfigError
 
 __all__ = ["MIN_ESTIMATES", "BatchSchedulePolicy", "decay_factor"]
@@ -62,7 +63,8 @@ class BatchSchedulePolicy(Policy):
     @classmethod
     def from_strategy(cls, strategy: Any) -> BatchSchedulePolicy:
         b = strategy.batch
-        return cls(b.schedule, b.noise_scale_fraction, b.schedule_interval_steps)
+        return cls(growth_rule(b.schedule, strategy.optimizer.type), b.noise_scale_fraction,
+                   b.schedule_interval_steps)
 
     def setup(self, run: Any) -> None:
         if self.mode == "adaptive" and run.adaptive is None:
