@@ -18,7 +18,7 @@ def test_result_on_stdout_progress_on_stderr(tmp_path, tmp_path_factory):
                  str(tmp_path / "run")], tmp_path_factory.getbasetemp() / "xdg-cache")
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.startswith("test accuracy ") and p.stdout.count("\n") == 1
-    assert " after 1.25 epochs at global batch 64 " in p.stdout
+    assert " after 1.25 epochs in 15 steps at global batch 64 " in p.stdout
     assert "test accuracy" not in p.stderr
     steps = [line.split()[1] for line in p.stderr.splitlines() if line.startswith("step ")]
     assert steps == ["5/15", "10/15", "15/15"]

@@ -271,11 +271,15 @@ def test_closing_line_names_the_small_batch_baseline():
 
     recipe = get_task("mnist1d", **SMALL).recipe("cnn")
     s = {"metric": "accuracy", "test_accuracy": 0.99, "epochs": 16.0, "global_batch_size": 4096,
-         "optimizer": "LARS", "world_size": 2, "wall_time_s": 40.0,
-         "reference": reference(recipe, 16.0, "accuracy")}
+         "optimizer": "LARS", "world_size": 2, "wall_time_s": 40.0, "steps": 144,
+         "samples": 589824, "reference": reference(recipe, 16.0, "accuracy")}
     line = closing_line(s)
-    assert "test accuracy 99.00% after 16 epochs at global batch 4096 (LARS, 2 worker(s)" in line
-    assert "small-batch baseline: 99.31% at batch 128 (momentum, same epochs)" in line
+    assert ("test accuracy 99.00% after 16 epochs in 144 steps at global batch 4096 (LARS, 2 "
+            "worker(s)") in line
+    assert ("small-batch baseline: 99.31% at batch 128 (momentum, same epochs, about 4608 "
+            "steps)") in line
+    grew = closing_line({**s, "steps": 521, "batch_size_changes": [{"old": 512, "new": 1024}]})
+    assert "in 521 steps at global batch 512 -> 4096 (LARS" in grew  # what it traded
     assert reference(recipe, 8.0, "accuracy") is None
     assert "no small-batch baseline" in closing_line({**s, "reference": None})
     ps = {**s, "world_size": 3, "parameter_server": {"servers": 1, "workers": 2}}

@@ -185,14 +185,21 @@ def closing_line(s: dict[str, Any]) -> str:
     ps = s.get("parameter_server")
     ranks = (f"{ps['servers']} server(s) + {ps['workers']} worker(s)" if ps
              else f"{s['world_size']} worker(s)")
-    line = (f"test {metric} {shown} after {tidy(s['epochs'])} epochs at global batch "
-            f"{s['global_batch_size']} ({s['optimizer']}, {ranks}, {s['wall_time_s']:.0f} s)")
+    steps = f" in {s['steps']} steps" if s.get("steps") else ""
+    changes = s.get("batch_size_changes") or []
+    batch = (f"{changes[0]['old']} -> {s['global_batch_size']}" if changes
+             else s["global_batch_size"])
+    line = (f"test {metric} {shown} after {tidy(s['epochs'])} epochs{steps} at global batch "
+            f"{batch} ({s['optimizer']}, {ranks}, {s['wall_time_s']:.0f} s)")
     ref = s["reference"]
     if ref is not None:
         r = ref[f"test_{metric}"]
         rs = f"{100 * r:.2f}%" if metric == "accuracy" else f"{r:.4f}"
+        # The same epochs: about this run's samples in steps of the baseline's batch.
+        theirs = (f", about {round(s['samples'] / ref['global_batch_size'])} steps"
+                  if s.get("samples") else "")
         line += (f"; small-batch baseline: {rs} at batch {ref['global_batch_size']} "
-                 f"({ref['optimizer']}, same epochs)")
+                 f"({ref['optimizer']}, same epochs{theirs})")
     else:
         line += "; no small-batch baseline measured for these epochs"
     return line
