@@ -34,8 +34,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class _Stdio:
+    """The test process's stdout and stderr as they are at the start (pytest's capture,
+    or capfd's), handed to the child: a fork server's child would otherwise write where
+    the server does."""
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _take_stdio, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _take_stdio(out: Any, err: Any) -> None:
+    """In the child, while its arguments are unpickled: fds 1 and 2 become the parent's."""
+    for fd, wrapper in ((1, out), (2, err)):
+        received = wrapper.detach()
+        os.dup2(received, fd)
+        os.close(received)
+
+
 def _child(fn: Callable, args: tuple, rank: int, world_size: int, port: int, out_dir: str,
-           init_group: bool) -> None:
+           init_group: bool, environ: dict[str, str], stdio: None) -> None:
+    # A fork of the fork server has the environment the server started with: take the
+    # test's own, as a spawned process would.
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -61,17 +84,32 @@ def _child(fn: Callable, args: tuple, rank: int, world_size: int, port: int, out
             dist.destroy_process_group()
 
 
+# Workers are forks of one fork server that has imported torch and bigbatch's engine and
+# trainer once: a fresh interpreter importing them costs a few seconds of CPU per worker,
+# about 8 s of wall time for two workers on two shared cores, which most of these tests
+# would otherwise spend on every spawn. The server never runs an op or makes a group, so
+# each fork starts as a spawned process would after those imports.
+PRELOAD = ["torch", "torch.distributed", "bigbatch.engine.prepare", "bigbatch.train.trainer"]
+
+
+def _context() -> mp.context.BaseContext:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def run_workers(fn: Callable, world_size: int = 2, args: tuple = (), timeout: float = 60.0,
                 init_group: bool = False,
                 on_start: Callable[[list[Any]], None] | None = None) -> list[Any]:
     """Run `fn(*args)` on `world_size` gloo workers; return their results by rank.
 
     `on_start(processes)` runs once they are started (e.g. to signal one of them)."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
         procs = [
-            ctx.Process(target=_child, args=(fn, args, r, world_size, port, out_dir, init_group))
+            ctx.Process(target=_child, args=(fn, args, r, world_size, port, out_dir, init_group,
+                                          dict(os.environ), _Stdio()))
             for r in range(world_size)
         ]
         for p in procs:
