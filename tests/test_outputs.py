@@ -6,11 +6,8 @@ Runs `bigbatch.cli.main.main` in this process, except the lock holder, which is
 another process (a lock is per process)."""
 
 import json
-import os
 import shutil
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -115,13 +112,27 @@ def test_temporary_files_of_an_interrupted_save_go_at_the_next_start(tmp_path, c
                                        out / "checkpoints" / ".step-000000099.pt.4242.tmp"]
 
 
+def _holder(out: str, held) -> None:
+    import time
+
+    from bigbatch.train.lock import OutLock
+
+    OutLock(out).acquire()
+    held.set()
+    time.sleep(600)
+
+
 def _hold_lock(out):
-    """Another process holding `out`'s lock (as a running job does); stop it with .kill()."""
-    code = ("import sys, time; from bigbatch.train.lock import OutLock; "
-            "OutLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(600)")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
-    assert proc.stdout.readline().strip() == "held"
+    """Another process holding `out`'s lock (as a running job does); stop it with .kill().
+    A fork of tests/_dist.py's fork server, which has bigbatch imported already (a fresh
+    interpreter would spend ~4 s importing torch)."""
+    from tests._dist import _context
+
+    ctx = _context()
+    held = ctx.Event()
+    proc = ctx.Process(target=_holder, args=(str(out), held), daemon=True)
+    proc.start()
+    assert held.wait(60), "the lock holder did not take the lock"
     return proc
 
 
@@ -140,7 +151,8 @@ def test_a_directory_another_job_holds_is_refused_naming_it(again, tmp_path, cap
         assert snapshot(out) == before
     finally:
         holder.kill()
-        holder.wait()
+        holder.join(30)
+    assert not holder.is_alive()
     # The holder is dead: its lock file still names it, and blocks nothing.
     assert str(holder.pid) in (out / ".bigbatch.lock").read_text()
     code, err = _run(capsys, "--out", str(out), *again)
