@@ -2,10 +2,13 @@
 
     results = run_workers(fn, world_size=2, args=(...), timeout=60)
 
-`fn(*args)` runs in each spawned process with the torchrun environment set
-(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and one intra-op
-thread; whoever needs the group creates it (`bigbatch.parallel.world.init_distributed`
-or `bigbatch.engine.prepare`), or pass `init_group=True` to have it made here.
+`fn(*args)` runs in each worker process with the test's environment plus torchrun's
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), the test's stdout and
+stderr, and one intra-op thread. The workers are forks of one fork server per test
+session that has imported torch and bigbatch's engine and trainer (`PRELOAD`), so
+they start in a fraction of a second instead of importing torch each time.
+Whoever needs the group creates it (`bigbatch.parallel.world.init_distributed` or
+`bigbatch.engine.prepare`), or pass `init_group=True` to have it made here.
 Each process's return value comes back through `torch.save` files (tensors
 included), ordered by rank. A failure in any process raises with its
 traceback; a hang is killed after `timeout` seconds.
