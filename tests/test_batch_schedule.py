@@ -283,3 +283,19 @@ def test_auto_is_the_noise_rule_for_momentum_and_seesaw_for_adam(opt, rule):
     policy, = run.policies
     assert policy.mode == rule and (run.adaptive is not None) == (rule == "adaptive")
     assert f"auto = {rule}: 32 -> at most 256" in s.overview(1)
+
+
+def test_a_grown_run_is_compared_with_the_baseline_of_its_epoch_budget():
+    from bigbatch.tasks import get_task
+    from bigbatch.train.summary import run_summary
+
+    recipe = get_task("mnist1d", num_samples=1000).recipe("cnn")
+    task = SimpleNamespace(name="mnist1d", metric="accuracy", default_options=True,
+                           recipe=lambda model: recipe)
+    common = dict(task=task, model="cnn", metrics={"accuracy": 0.99}, steps=463,
+                  samples=640_000, plan=grow(ceiling=4096).ceiling(1), world_size=1,
+                  strategy=grow(ceiling=4096), seed=0, wall_time_s=1.0, samples_per_s=None)
+    # The sampler counted 16.56 epochs: each epoch at 4096 drops a different remainder.
+    assert run_summary(epochs=16.56, **common)["reference"] is None
+    ref = run_summary(epochs=16.56, budget_epochs=16.0, **common)["reference"]
+    assert ref["global_batch_size"] == 128 and ref["epochs"] == 16

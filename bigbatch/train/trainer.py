@@ -378,7 +378,8 @@ class _Trainer:
         timer = self.timer
         summary = run_summary(
             task=task, model=self.model_name, metrics=metrics, steps=run.step,
-            epochs=self.epoch, samples=self.samples, plan=plan,
+            epochs=self.epoch, samples=self.samples, plan=plan, budget_epochs=None
+            if self.config.steps else self.config.epochs or task.recipe(self.model_name).epochs,
             world_size=self.world.world_size, strategy=self.strategy, seed=self.config.seed,
             wall_time_s=self.elapsed_before + time.perf_counter() - self.t_start,
             samples_per_s=float(np.median(self.samples_per_s)) if self.samples_per_s else None,
