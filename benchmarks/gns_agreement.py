@@ -41,6 +41,7 @@ def run(task: str, nproc: int, batch: int, steps: int, extra: list[str], out: Pa
     argv = [sys.executable, "-m", "bigbatch", "train", "--task", task, "--nproc", str(nproc),
             "--steps", str(steps), "--out", str(out), "--overwrite", "--no-progress",
             "--no-tensorboard", "--log-every", "1", "--seed", str(seed),
+            "--set", "batch.schedule=fixed", "--set", "batch.start_batch_size=none",
             "--set", f"batch.global_batch_size={batch}",
             "--set", f"batch.micro_batch_size={batch // 2}",
             "--set", "adaptive.noise_scale=true"]
