@@ -45,15 +45,14 @@ _RECIPES = {
 
 
 DEMO_STRATEGY = """\
-# bigbatch train's default on charlm: LAMB at global batch 128, 8x the AdamW
-# recipe (batch 16, lr 2e-3), with LAMB's own LR at the base batch: LAMB moves
-# each weight tensor by about lr x its norm per step, so it does not take
-# AdamW's LR (at 2e-3 it ended at 2.71 bits/char where AdamW reached 1.95). At
-# batch 16, 0.011 gave 1.898 bits/char over 2 seeds against AdamW's 1.95;
-# square-root scaling (the LAMB paper's) gives 0.031 at 128: 2.35 in the
-# recipe's 4 epochs (204 steps), where AdamW's LR scaled linearly (0.016) gave
-# 2.74; 204 steps stay too few to reach the recipe's 1.93.
-# benchmarks/NOTES-lamb-charlm.md has the runs.
+# bigbatch train's default on charlm: LAMB whose batch grows from the AdamW
+# recipe's 16 up to 128 (8x) by Seesaw (batch.schedule = "auto" under LAMB):
+# wherever the cosine decay would halve the LR, the batch doubles instead and the
+# peak follows square-root scaling. LAMB takes its own LR at the base batch: it
+# moves each weight tensor by about lr x its norm per step, so AdamW's 2e-3 left it
+# at 2.71 bits/char where 0.011 gave 1.898 (AdamW: 1.95). A fixed 128 from the
+# start gets 204 steps in the recipe's 4 epochs: 2.35. benchmarks/NOTES-lamb-charlm.md
+# and benchmarks/NOTES-auto-batch.md have the runs.
 [batch]
 global_batch_size = 128
 base_batch_size = 16
@@ -61,6 +60,8 @@ base_lr = 0.011
 scaling = "sqrt"
 warmup_epochs = 1
 decay = "cosine"
+schedule = "auto"
+start_batch_size = 16
 
 [optimizer]
 type = "adamw"
