@@ -299,3 +299,16 @@ def test_a_grown_run_is_compared_with_the_baseline_of_its_epoch_budget():
     assert run_summary(epochs=16.56, **common)["reference"] is None
     ref = run_summary(epochs=16.56, budget_epochs=16.0, **common)["reference"]
     assert ref["global_batch_size"] == 128 and ref["epochs"] == 16
+
+
+def test_auto_keeps_the_batch_where_the_layout_cannot_change_it():
+    from bigbatch.config.compat import check
+    from bigbatch.tasks.charlm import DEMO_STRATEGY
+
+    demo = Strategy.from_toml(DEMO_STRATEGY).with_overrides(["pipeline.pp_degree=2"])
+    check(demo)  # the demo's "auto" does not refuse a pipeline: it keeps the batch there
+    assert demo.resolve(2).global_batch_size == 128
+    assert "auto = fixed in this layout" in demo.overview(2)
+    seesaw = demo.with_overrides(["batch.schedule=seesaw"])
+    with pytest.raises(ConfigError, match=r'batch.schedule="seesaw" with \[pipeline\]'):
+        check(seesaw)

@@ -7,14 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 from bigbatch.config.conflict import Conflict
-from bigbatch.config.schedules import growth_rule
+from bigbatch.config.schedules import growth_of
 
 __all__ = ["BATCH_SCHEDULE_ROWS", "growing"]
 
 
 def growing(s: Any) -> str | None:
     """``batch.schedule="..."`` as a user writes it when the batch grows; else None."""
-    return None if s.batch.schedule == "fixed" else f'batch.schedule="{s.batch.schedule}"'
+    return None if growth_of(s) == "fixed" else f'batch.schedule="{s.batch.schedule}"'
 
 
 def _other_chooser(s: Any) -> str | None:
@@ -52,7 +52,7 @@ BATCH_SCHEDULE_ROWS: tuple[Conflict, ...] = (
       values=lambda s, c: {"key": growing(s), "other": _other_chooser(s)}),
     C("schedule-adaptive-mesh", 'batch.schedule = "adaptive"',
       "[sharding] or tensor parallelism",
-      lambda s, c: (growth_rule(s.batch.schedule, s.optimizer.type) == "adaptive"
+      lambda s, c: (growth_of(s) == "adaptive"
                     and (s.sharding.enable or s.tensor_parallel.tensor_parallel_degree > 1)),
       "{key} with {what}: {reason}; {fix}",
       "it follows the noise scale, which needs each worker's whole gradient before it is "

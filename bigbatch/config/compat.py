@@ -20,7 +20,7 @@ from bigbatch.config.batch_schedule_rows import BATCH_SCHEDULE_ROWS
 from bigbatch.config.comm import LOSSY, local_sgd_section, reduce_mode
 from bigbatch.config.conflict import NO_CONTEXT, Conflict, Context
 from bigbatch.config.lr_find_rows import LR_FIND_ROWS
-from bigbatch.config.schedules import growth_rule
+from bigbatch.config.schedules import growth_of
 from bigbatch.errors import ConfigError
 
 __all__ = ["CONFLICTS", "Conflict", "Context", "check", "conflicts"]
@@ -71,7 +71,7 @@ def _gns_key(s: Any, policies: bool = True, doubling: bool = True) -> str | None
             'adaptive.policies=["noise_scale_doubling"]'
             if doubling and "noise_scale_doubling" in a.policies else
             f'batch.schedule="{s.batch.schedule}"'
-            if growth_rule(s.batch.schedule, s.optimizer.type) == "adaptive" else None)
+            if growth_of(s) == "adaptive" else None)
 
 
 def _switched_on(s: Any) -> str | None:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from bigbatch.config.parallelism import Degrees, degrees
-from bigbatch.config.schedules import grown_warmup, growth_rule, warmup_start_lr, warmup_steps_of
+from bigbatch.config.schedules import grown_warmup, growth_of, warmup_start_lr, warmup_steps_of
 from bigbatch.config.sections import KEYS, SECTIONS
 
 __all__ = ["render_overview", "strategy_overview"]
@@ -166,17 +166,19 @@ def _derived_rows(
         ("decay", _decay_text(b)),
         ("optimizer", _optimizer_text(strategy)),
     ]
-    if b.schedule != "fixed":
+    if growth_of(strategy) != "fixed":
         rows[1:1] = _growth_rows(strategy, plan, deg)
+    elif b.schedule == "auto":
+        rows.insert(1, ("batch schedule", "auto = fixed in this layout"))
     if total_steps is not None:
-        rows.append(("total_steps", total_steps if b.schedule == "fixed" else
+        rows.append(("total_steps", total_steps if growth_of(strategy) == "fixed" else
                      f"{total_steps} of the start batch"))
     return rows
 
 
 def _growth_rows(strategy: Any, plan: Any, deg: Degrees) -> list[tuple[str, Any]]:
     b, ceiling = strategy.batch, strategy.ceiling(deg.data).global_batch_size
-    rule = growth_rule(b.schedule, strategy.optimizer.type)
+    rule = growth_of(strategy)
     when = (f"2 x batch <= {b.noise_scale_fraction:g} x noise scale"
             if rule == "adaptive" else "the decay halves the LR")
     name = rule if rule == b.schedule else f"{b.schedule} = {rule}"

@@ -43,14 +43,19 @@ BATCH_SCHEDULES = ("fixed", "auto", "adaptive", "seesaw")
 """Names accepted for ``batch.schedule`` (how the global batch moves during a run)."""
 
 
-def growth_rule(schedule: str, optimizer_type: str) -> str:
-    """The rule ``batch.schedule`` stands for: "fixed", "adaptive" or "seesaw". "auto" is
-    the noise-scale rule for momentum SGD and LARS, and Seesaw for AdamW and LAMB, whose
-    runs on charlm lost 9% in bits per character following even a twentieth of the
-    noise scale where Seesaw lost 1.6% (benchmarks/NOTES-auto-batch.md)."""
+def growth_of(strategy: Any) -> str:
+    """The rule a strategy's ``batch.schedule`` stands for: "fixed", "adaptive" or
+    "seesaw". "auto" is the noise-scale rule for momentum SGD and LARS and Seesaw for
+    AdamW and LAMB, whose runs on charlm lost 9% in bits per character following even a
+    twentieth of the noise scale where Seesaw lost 1.6% (benchmarks/NOTES-auto-batch.md);
+    and fixed where the batch cannot change (a pipeline, the parameter server), which
+    the other rules are refused with. Reads the strategy's sections only."""
+    schedule = strategy.batch.schedule
     if schedule != "auto":
         return schedule
-    return "seesaw" if optimizer_type == "adamw" else "adaptive"
+    if strategy.pipeline.enable or strategy.parameter_server.enable:
+        return "fixed"
+    return "seesaw" if strategy.optimizer.type == "adamw" else "adaptive"
 
 
 def lr_factor(

@@ -37,6 +37,7 @@ from bigbatch.config.fields import (
 )
 from bigbatch.config.overview import strategy_overview
 from bigbatch.config.scaling import scale_lr
+from bigbatch.config.schedules import growth_of
 from bigbatch.config.sections import (
     KEYS,
     SECTIONS,
@@ -260,7 +261,7 @@ class Strategy:
         `start_plan`, and this configured plan (`ceiling`) is the largest it grows to.
         """
         ceiling = self.ceiling(world_size)
-        return ceiling if self.batch.schedule == "fixed" else self.start_plan(ceiling)
+        return ceiling if growth_of(self) == "fixed" else self.start_plan(ceiling)
 
     def start_plan(self, ceiling: BatchPlan) -> BatchPlan:
         """The first plan of a growing batch: ``batch.start_batch_size`` (default the

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from bigbatch.adaptive.adascale import AdaScale
 from bigbatch.adaptive.gns import ConsecutiveSteps, GradientNoiseScale, sq_norm
 from bigbatch.adaptive.goodput import GoodputTuner, Suggestion
-from bigbatch.config.schedules import growth_rule
+from bigbatch.config.schedules import growth_of
 from bigbatch.engine.local_norms import install_local_norms, preconditioned_grads
 from bigbatch.errors import ConfigError
 
@@ -72,7 +72,7 @@ def check(strategy: Any, plan: Any = None) -> bool:
     """Validate `[adaptive]` against the rest of the strategy; True when it is active."""
     a = getattr(strategy, "adaptive", None)
     on = _switched_on(a) if a is not None else []
-    if growth_rule(strategy.batch.schedule, strategy.optimizer.type) == "adaptive":
+    if growth_of(strategy) == "adaptive":
         on.append(f'batch.schedule="{strategy.batch.schedule}"')  # it follows the noise scale
     if not on:
         return False
@@ -118,7 +118,7 @@ def preconditioned(strategy: Any) -> bool:
     choice = strategy.adaptive.gns_gradient
     if choice != "auto":
         return choice == "preconditioned"
-    grows = growth_rule(strategy.batch.schedule, strategy.optimizer.type) == "adaptive"
+    grows = growth_of(strategy) == "adaptive"
     return strategy.optimizer.type == "adamw" and not grows
 
 
@@ -156,7 +156,7 @@ class Adaptive:
         self._window = window
         self._batch = batch
         self.preconditioned = preconditioned(strategy)
-        self._batch_grows = strategy.batch.schedule != "fixed"
+        self._batch_grows = growth_of(strategy) != "fixed"
         """Norms of ``g / (sqrt(v) + eps)`` (AdamW, LAMB) instead of ``g``."""
         self.tracker = GradientNoiseScale(a.gns_ema)
         self.warmup_steps = (a.gns_warmup_steps if a.gns_warmup_steps is not None

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from bigbatch.adaptive.batch_growth import NoiseScaleGrowth, SeesawGrowth
 from bigbatch.adaptive.policy import Policy
-from bigbatch.config.schedules import growth_rule
+from bigbatch.config.schedules import growth_of
 from bigbatch.errors import ConfigError
 
 __all__ = ["MIN_ESTIMATES", "BatchSchedulePolicy", "decay_factor"]
@@ -63,7 +63,7 @@ class BatchSchedulePolicy(Policy):
     @classmethod
     def from_strategy(cls, strategy: Any) -> BatchSchedulePolicy:
         b = strategy.batch
-        return cls(growth_rule(b.schedule, strategy.optimizer.type), b.noise_scale_fraction,
+        return cls(growth_of(strategy), b.noise_scale_fraction,
                    b.schedule_interval_steps)
 
     def setup(self, run: Any) -> None:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from bigbatch.adaptive.doubling import NoiseScaleDoubler
 from bigbatch.adaptive.policy import Policy
+from bigbatch.config.schedules import growth_of
 from bigbatch.engine.adaptive import MAX_BATCH_FACTOR
 from bigbatch.errors import ConfigError, PolicyError, PolicyStop
 from bigbatch.parallel.world import is_peer_failure
@@ -365,7 +366,7 @@ def attach(run: Any, given: list[Any] | None = None) -> Policies:
     if a.goodput and "goodput" not in specs:
         specs.insert(0, "goodput")
     policies = [load_policy(s, run.strategy) for s in specs]
-    if run.strategy.batch.schedule != "fixed":  # batch.schedule's own policy, first
+    if growth_of(run.strategy) != "fixed":  # batch.schedule's own policy, first
         from bigbatch.engine.batch_schedule import BatchSchedulePolicy
 
         policies.insert(0, BatchSchedulePolicy.from_strategy(run.strategy))
