@@ -311,3 +311,13 @@ def test_auto_keeps_the_batch_where_the_layout_cannot_change_it():
     assert "auto = fixed in this layout" in demo.overview(2)
     with pytest.raises(ConfigError, match=r'batch.schedule="seesaw" with \[pipeline\]'):
         demo.with_overrides(["batch.schedule=seesaw"])
+
+
+def test_the_default_start_fits_the_workers_and_the_ceiling():
+    s = strategy("sgd", 256, gradient_merge={"avg": True}).with_overrides(
+        ["batch.schedule=seesaw", "batch.base_batch_size=20"])
+    assert s.resolve(8).global_batch_size == 24       # 20 rounded up to 8 workers
+    assert s.resolve(64).global_batch_size == 64
+    assert s.with_overrides(["batch.global_batch_size=16"]).resolve(1).global_batch_size == 16
+    with pytest.raises(ConfigError, match="start_batch_size=20 is not divisible by the 8"):
+        s.with_overrides(["batch.start_batch_size=20"]).resolve(8)  # given: strict

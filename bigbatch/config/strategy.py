@@ -265,12 +265,15 @@ class Strategy:
 
     def start_plan(self, ceiling: BatchPlan) -> BatchPlan:
         """The first plan of a growing batch: ``batch.start_batch_size`` (default the
-        recipe's ``base_batch_size``) over the ceiling's workers, with a micro batch no
+        recipe's ``base_batch_size``, rounded up to a multiple of the workers and at most
+        the ceiling) over the ceiling's workers, with a micro batch no
         larger than the ceiling's (memory). On one worker the start batch is two merged
         micro-steps where it can be, so the noise scale compares a micro-step's gradient
         with the step's (unbiased) instead of consecutive steps (biased)."""
         b, w = self.batch, ceiling.world_size
-        start = b.start_batch_size or b.base_batch_size
+        start = b.start_batch_size
+        if start is None:  # the recipe's batch, on every worker, within the ceiling
+            start = min(-(-b.base_batch_size // w) * w, ceiling.global_batch_size)
         if start > ceiling.global_batch_size:
             raise ConfigError(f"batch.start_batch_size={start} is larger than the ceiling "
                               f"batch.global_batch_size={ceiling.global_batch_size}")

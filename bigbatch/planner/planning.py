@@ -90,7 +90,7 @@ def _plan(model_fn: Callable[[], nn.Module], strategy: Any, world: int, *,
         raise ConfigError(f"world={world!r}: expected an integer >= 1")
     _refuse_unplanned(strategy)
     deg = degrees(strategy, world)
-    batch = strategy.resolve(deg.data)
+    batch = strategy.ceiling(deg.data)  # a growing batch's largest: what memory must hold
     check(strategy, Context(run=True, tp_plan=tp_given, distributed=world > 1,
                             device="cuda", world_size=world))
     check_reduce(strategy.data_parallel.reduce)

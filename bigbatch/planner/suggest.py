@@ -38,7 +38,7 @@ def _powers(limit: int, world: int) -> list[int]:
 def base_batch(strategy: Any, world: int) -> tuple[int, int]:
     """(global batch, micro-batch) the candidates keep: the strategy's at its own layout."""
     try:
-        plan = strategy.resolve(degrees(strategy, world).data)
+        plan = strategy.ceiling(degrees(strategy, world).data)
         return plan.global_batch_size, plan.micro_batch_size
     except ConfigError:
         micro = strategy.batch.micro_batch_size or strategy.pipeline.micro_batch_size or 1

@@ -61,7 +61,6 @@ scaling = "sqrt"
 warmup_epochs = 1
 decay = "cosine"
 schedule = "auto"
-start_batch_size = 16
 
 [optimizer]
 type = "adamw"
