@@ -31,7 +31,8 @@ def ratios(lr: float, steps: int, report: tuple[int, ...] = (1, 10, 100, 400)) -
     strategy = Strategy.from_toml(DEMO_STRATEGY)
     opt = build_optimizer(model, strategy, lr)
     opt.track_trust_ratios = True
-    named = [(n, p) for g in opt.param_groups for n, p in zip(g["param_names"], g["params"])]
+    named = [(n, p) for g in opt.param_groups
+             for n, p in zip(g["param_names"], g["params"], strict=True)]
     loader = DataLoader(task.train_set, batch_size=16, shuffle=True, drop_last=True)
     step = 0
     while step < steps:
