@@ -31,7 +31,7 @@ from pathlib import Path
 
 RECIPES = {  # --set overrides over the task's demo strategy
     "lamb": [],
-    "adamw": ["lamb.enable=false", "optimizer.weight_decay=0.01"],
+    "adamw": ["lamb.enable=false", "optimizer.weight_decay=0.01", "batch.base_lr=0.002"],
     "lars": [],
 }
 
