@@ -6,7 +6,6 @@ import argparse
 import json
 
 import pytest
-import torch
 
 import bigbatch.cli.study as C
 import bigbatch.study.sweep as S
@@ -25,15 +24,7 @@ BASES = ("sgd", "lars", "lamb", "adascale", "kfac")
 CNN = _RECIPES["cnn"]  # momentum SGD at batch 128
 
 
-@pytest.fixture(autouse=True)
-def env(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "xdg-cache"))
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(name, raising=False)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("train_env")  # one data cache, no torchrun variables
 
 
 def _args(*argv):
