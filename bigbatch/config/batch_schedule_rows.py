@@ -1,6 +1,6 @@
-"""The compatibility table's rows for a growing batch, ``batch.schedule = "adaptive"`` or
-``"seesaw"`` (`bigbatch.config.compat` splices them into `CONFLICTS`): where the batch
-cannot change during a run, or something else already decides it."""
+"""The compatibility table's rows for a growing batch, ``batch.schedule`` = "adaptive",
+"seesaw" or "auto" (`bigbatch.config.compat` splices them into `CONFLICTS`): where the
+batch cannot change during a run, or something else already decides it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 from bigbatch.config.conflict import Conflict
 from bigbatch.config.schedules import growth_of
 
-__all__ = ["BATCH_SCHEDULE_ROWS", "growing"]
+__all__ = ["BATCH_SCHEDULE_ROWS", "batch_changer", "growing"]
 
 
 def growing(s: Any) -> str | None:
@@ -17,13 +17,19 @@ def growing(s: Any) -> str | None:
     return None if growth_of(s) == "fixed" else f'batch.schedule="{s.batch.schedule}"'
 
 
-def _other_chooser(s: Any) -> str | None:
+def batch_changer(s: Any) -> str | None:
+    """The `[adaptive]` setting that changes the batch during a run, if any."""
     a = s.adaptive
     return ('adaptive.batch_size="goodput"' if a.batch_size == "goodput" else
             'adaptive.policies=["goodput"]' if "goodput" in a.policies else
             'adaptive.policies=["noise_scale_doubling"]'
-            if "noise_scale_doubling" in a.policies else
-            'adaptive.lr="adascale"' if a.lr == "adascale" else None)
+            if "noise_scale_doubling" in a.policies else None)
+
+
+def _other_chooser(s: Any) -> str | None:
+    """What else decides the batch, or (AdaScale) the LR it trains with."""
+    return batch_changer(s) or ('adaptive.lr="adascale"' if s.adaptive.lr == "adascale"
+                                else None)
 
 
 _GROW = {"batch": {"schedule": "seesaw", "global_batch_size": 1024}}

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from bigbatch.config.batch_schedule_rows import BATCH_SCHEDULE_ROWS
+from bigbatch.config.batch_schedule_rows import BATCH_SCHEDULE_ROWS, batch_changer
 from bigbatch.config.comm import LOSSY, local_sgd_section, reduce_mode
 from bigbatch.config.conflict import NO_CONTEXT, Conflict, Context
 from bigbatch.config.lr_find_rows import LR_FIND_ROWS
@@ -48,15 +48,6 @@ def _clip(s: Any) -> float | None:
     if s.lamb.enable and s.lamb.max_grad_norm is not None:
         return s.lamb.max_grad_norm
     return s.optimizer.max_grad_norm
-
-
-def _batch_changer(s: Any) -> str | None:
-    """The `[adaptive]` setting that changes the batch during a run, if any."""
-    a = s.adaptive
-    return ('adaptive.batch_size="goodput"' if a.batch_size == "goodput" else
-            'adaptive.policies=["goodput"]' if "goodput" in a.policies else
-            'adaptive.policies=["noise_scale_doubling"]'
-            if "noise_scale_doubling" in a.policies else None)
 
 
 def _gns_key(s: Any, policies: bool = True, doubling: bool = True) -> str | None:
@@ -150,13 +141,13 @@ CONFLICTS: tuple[Conflict, ...] = (
       "measure", 'use "GPipe", "1F1B" or "Interleaved1F1B"',
       {"pipeline": _PIPEDREAM, "adaptive": _NOISE}),
     C("pipeline-batch-change", "[adaptive] goodput or noise_scale_doubling", "[pipeline]",
-      lambda s, c: s.pipeline.enable and s.adaptive.active and _batch_changer(s) is not None,
+      lambda s, c: s.pipeline.enable and s.adaptive.active and batch_changer(s) is not None,
       "{key} with {b}: {reason}; {fix}",
       "the pipeline's schedules are built for pipeline.accumulate_steps micro-batches of one "
       "shape, so the batch cannot change during a run",
       'keep adaptive.noise_scale or adaptive.lr="adascale"',
       {"pipeline": {}, "adaptive": {"batch_size": "goodput"}},
-      values=lambda s, c: {"key": _batch_changer(s)}),
+      values=lambda s, c: {"key": batch_changer(s)}),
     C("pipedream-alone", 'pipeline.schedule_mode = "PipeDream"',
       "[sharding], tensor parallelism or [amp]",
       lambda s, c: _pipedream(s) and (s.sharding.enable or _tp(s) or s.amp.enable),

@@ -119,15 +119,16 @@ class BatchConfig(_Section):
     momentum SGD and LARS, seesaw for AdamW and LAMB. On each doubling the peak LR follows
     `scaling`; the schedule counts samples, so the decay ends with the sample budget."""
     start_batch_size: int | None = _f(None, ge=1)
-    """adaptive / seesaw: the global batch at the start; unset: base_batch_size (the
-    recipe's). Must divide by the data-parallel degree."""
+    """A growing batch's global batch at the start; unset: base_batch_size (the recipe's)
+    rounded up to a multiple of the data-parallel degree, at most global_batch_size. Set,
+    it must divide by the data-parallel degree."""
     noise_scale_fraction: float = _f(1.0, gt=0, le=16)
     """adaptive: the batch doubles while twice it is at most this times the measured noise
     scale. 1: never past the critical batch, where a step takes about twice the fewest
     samples (McCandlish et al. 2018). On MNIST-1D (LARS from 512) 1 kept the accuracy
     that 2 lost (-0.12 points), and 0.5 took 18% more steps (benchmarks/NOTES-auto-batch.md)."""
     schedule_interval_steps: int = _f(10, ge=1)
-    """adaptive / seesaw: optimizer steps between two decisions on the batch."""
+    """A growing batch: optimizer steps between two decisions on it."""
     elastic: str = _f("keep", choices=ELASTIC_MODES)
     """Resuming on another number of workers: keep the global batch (micro batch or k_steps
     adjust), or scale it with the world size (each worker's micro batch and k_steps kept,
@@ -154,7 +155,8 @@ class BatchConfig(_Section):
         start = self.start_batch_size
         if start is not None and self.schedule == "fixed":
             raise ConfigError(f"batch.start_batch_size={start} needs batch.schedule = "
-                              '"adaptive" or "seesaw" (a fixed batch starts at its global size)')
+                              '"adaptive", "seesaw" or "auto" (a fixed batch starts at its '
+                              "global size)")
         if self.decay == "step" and not ms:
             raise ConfigError(
                 'batch.decay_milestones is empty but batch.decay = "step"; '

@@ -257,8 +257,8 @@ class Strategy:
         ``global = micro x k_steps x world_size``; any two of global, micro and
         k_steps determine the third (k_steps is 1 without [gradient_merge]).
         With neither batch size set, the global batch is ``base_batch_size``.
-        Under ``batch.schedule = "adaptive"`` or ``"seesaw"`` the run starts at
-        `start_plan`, and this configured plan (`ceiling`) is the largest it grows to.
+        Under a growing ``batch.schedule`` (`growth_of`) the run starts at `start_plan`,
+        and this configured plan (`ceiling`) is the largest it grows to.
         """
         ceiling = self.ceiling(world_size)
         return ceiling if growth_of(self) == "fixed" else self.start_plan(ceiling)

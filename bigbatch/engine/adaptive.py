@@ -156,8 +156,8 @@ class Adaptive:
         self._window = window
         self._batch = batch
         self.preconditioned = preconditioned(strategy)
-        self._batch_grows = growth_of(strategy) != "fixed"
         """Norms of ``g / (sqrt(v) + eps)`` (AdamW, LAMB) instead of ``g``."""
+        self._batch_grows = growth_of(strategy) != "fixed"
         self.tracker = GradientNoiseScale(a.gns_ema)
         self.warmup_steps = (a.gns_warmup_steps if a.gns_warmup_steps is not None
                              else DEFAULT_WARMUP[self.preconditioned])
