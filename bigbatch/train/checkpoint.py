@@ -29,6 +29,7 @@ import torch
 
 from bigbatch.engine.saving import failure_reason
 from bigbatch.errors import ConfigError
+from bigbatch.train.confined import resolves_inside
 from bigbatch.train.manifest import (  # noqa: F401 - MANIFEST_FORMAT: re-exported
     MANIFEST_FORMAT,
     listed_problem,
@@ -308,7 +309,8 @@ def prune(out: str | os.PathLike, keep: int, files: Any = None) -> None:
     """Delete all but the newest `keep` checkpoints: their payloads, manifests and DCP
     files, only those bigbatch wrote (`files`, the run's record: with it, only recorded
     files), and a checkpoint's folder only once it is empty."""
-    old = list_checkpoints(out)[:-keep] if keep > 0 else []
+    old = [p for p in (list_checkpoints(out)[:-keep] if keep > 0 else [])
+           if resolves_inside(out, p)]  # never through a symlink out of --out
     if files is not None:
         old = [p for p in old if files.owns(p.relative_to(out).as_posix())]
     for p in old:

@@ -11,6 +11,11 @@ one is removed on the next start (fresh, `--resume` or `--overwrite`). A directo
 written by bigbatch 0.1.0 (no record) is recognised by its `run.json`, and its
 files by their exact names.
 
+Deletion is confined (`bigbatch.train.confined`): every entry of the record must be a
+path that resolves, after symlinks, inside `OUT`; a record naming anything else
+(`../x`, an absolute path, a file behind a symlink out of `OUT`) is refused as a whole
+before anything is deleted, and each deletion checks again.
+
 Every check here reads only: a mistake is reported before anything is written.
 """
 
@@ -35,6 +40,7 @@ from bigbatch.train.checkpoint import (
     resume_checkpoint,
     write_text_atomic,
 )
+from bigbatch.train.confined import entry_problem, resolves_inside, rmdir_inside, unlink_inside
 from bigbatch.train.lock import LOCK_FILE, hold
 from bigbatch.train.progress import METRICS_FILE, TENSORBOARD_DIR
 from bigbatch.train.sharded import is_dcp_file, remove_dcp_files
@@ -70,18 +76,35 @@ class RunFiles:
         out = Path(out)
         try:
             data = json.loads((out / RECORD_FILE).read_text())
-            return cls(out, set(data["files"]), set(data["dirs"]), set(data.get("temp_dirs", ())))
+            found = cls(out, set(data["files"]), set(data["dirs"]),
+                        set(data.get("temp_dirs", ())))
         except FileNotFoundError:
-            pass
+            found = None
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"{out / RECORD_FILE} is unreadable ({type(e).__name__}); "
                               "it records the files bigbatch wrote there") from None
-        if not _is_legacy_run(out):
-            return None
-        files = {name for name in OUTPUT_FILES if (out / name).is_file()}
-        files |= {rel for d in OUTPUT_DIRS for rel in _listing(out, d) if _LEGACY.match(rel)}
-        dirs = {d for d in OUTPUT_DIRS if (out / d).is_dir() and set(_listing(out, d)) <= files}
-        return cls(out, files, dirs)
+        if found is None:
+            if not _is_legacy_run(out):
+                return None
+            files = {name for name in OUTPUT_FILES if (out / name).is_file()}
+            files |= {rel for d in OUTPUT_DIRS for rel in _listing(out, d)
+                      if _LEGACY.match(rel)}
+            dirs = {d for d in OUTPUT_DIRS
+                    if (out / d).is_dir() and set(_listing(out, d)) <= files}
+            found = cls(out, files, dirs)
+        found.check_confined()
+        return found
+
+    def check_confined(self) -> None:
+        """ConfigError naming the first entry that is not a path inside `out` (after
+        symlinks): the whole record is checked before anything is deleted."""
+        for entry in sorted((*self.files, *self.dirs, *self.temp_dirs), key=str):
+            why = entry_problem(self.out, entry)
+            if why is not None:
+                raise ConfigError(
+                    f"{self.out / RECORD_FILE} names {entry!r}, {why}; bigbatch deletes only "
+                    "what it wrote inside --out, and deleted nothing (remove that entry from "
+                    "the record, or choose another --out)")
 
     def save(self) -> None:
         write_text_atomic(self.out / RECORD_FILE, json.dumps(
@@ -145,7 +168,9 @@ class RunFiles:
     def owns(self, rel: str) -> bool:
         """True for a recorded file, the record and lock themselves, a leftover temporary
         file of a recorded file, and the files DCP names in a sharded save's temporary
-        folder."""
+        folder; never a path that resolves outside `out`."""
+        if not resolves_inside(self.out, self.out / rel):
+            return False
         if rel in self.files or rel in (RECORD_FILE, LOCK_FILE):
             return True
         head, _, name = rel.rpartition("/")
@@ -179,7 +204,7 @@ class RunFiles:
         """Delete the temporary files and folders that interrupted saves left behind (a
         folder only once it is empty: another program's file in it stays, with a note)."""
         for p in self.leftover_temps():
-            p.unlink(missing_ok=True)
+            unlink_inside(self.out, p)
         for d in self.leftover_temp_dirs():
             kept = remove_dcp_files(d, self.owns_path)
             if kept:
@@ -202,14 +227,12 @@ class RunFiles:
     def remove_all(self) -> None:
         """Delete every recorded file, then the recorded folders that are left empty."""
         self.remove_temps()
+        self.check_confined()
         for rel in sorted(self.files):
-            p = self.out / rel
-            if p.is_file() or p.is_symlink():
-                p.unlink()
+            unlink_inside(self.out, self.out / rel)
         self.files.clear()
         for rel in sorted(self.dirs, key=lambda r: r.count("/"), reverse=True):
-            with contextlib.suppress(OSError):  # not empty: it holds what we did not write
-                (self.out / rel).rmdir()
+            rmdir_inside(self.out, self.out / rel)  # kept when it holds what we did not write
         self.dirs = {d for d in self.dirs if (self.out / d).is_dir()}
         self.save()
 

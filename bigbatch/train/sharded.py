@@ -80,7 +80,10 @@ def is_dcp_file(name: str) -> bool:
 
 def remove_dcp_files(folder: Path, owns: Any = None) -> list[str]:
     """Delete the files DCP wrote in `folder` (those `owns(path)` accepts, when given), then
-    the folder if it is empty. Returns the names of what stays (another program's files)."""
+    the folder if it is empty. Returns the names of what stays (another program's files).
+    A folder that is a symlink is not ours: nothing in it is deleted."""
+    if folder.is_symlink():
+        return [f"{folder.name} (a symlink)"]
     if not folder.is_dir():
         return []
     kept = []
