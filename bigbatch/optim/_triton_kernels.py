@@ -390,8 +390,8 @@ def lars_update(ptrs, n_tensors, chunk_tensor, chunk_start, numel, first_chunk, 
     """LARS's second pass, ``_steps.lars_momentum_coefficients`` then the momentum
     step, in the buffer's units (see ``lars.py``)::
 
-        d = g + weight_decay * w
-        b = carry * b + d_coef * d
+        d = g + weight_decay * w           (0 where local_lr is 0, even for an infinite g)
+        b = carry * b + d
         w = w - unit * b                   (Nesterov: w - momentum * unit * b - local_lr * d)
 
     The tensor's first chunk stores ``unit`` as its new ``local_lr`` (every chunk
@@ -422,7 +422,6 @@ def lars_update(ptrs, n_tensors, chunk_tensor, chunk_start, numel, first_chunk, 
         ratio = _f64(1.0)
     tl.store(ratios + tl.load(positions + t), ratio, mask=first)
     carry = (mu * prev / unit).to(C)
-    d_coef = tl.where(zero, 0.0, 1.0).to(C)
     w_coef = (mu * unit).to(C) if NESTEROV else unit.to(C)
     d_rate = local_lr.to(C)
     wd = wd64.to(C)
@@ -435,7 +434,9 @@ def lars_update(ptrs, n_tensors, chunk_tensor, chunk_start, numel, first_chunk, 
         mask = offs < n
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(C)
         d = tl.load(g_ptr + offs, mask=mask, other=0.0).to(C) + wd * w
-        b = carry * tl.load(b_ptr + offs, mask=mask, other=0.0).to(C) + d_coef * d
+        # Selected, not multiplied: an infinite gradient (local_lr 0) adds nothing (0 * inf).
+        d = tl.where(zero, 0.0, d)
+        b = carry * tl.load(b_ptr + offs, mask=mask, other=0.0).to(C) + d
         _store(b_ptr + offs, b, mask, S)
         w = w - w_coef * b
         if NESTEROV:

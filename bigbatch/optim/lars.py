@@ -72,6 +72,11 @@ def lars(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     ``found_inf``: a 0-d overflow flag (``torch.amp.GradScaler``'s): where it is
     nonzero the step changes nothing. The Triton kernel reads it on the device; the
     other kernels read it to the host first.
+
+    Non-finite values, alike in every kernel (the reference's rule): an infinite
+    gradient element gives its tensor an infinite norm and so ``local_lr = 0``; that
+    gradient then adds nothing (the velocity only decays, as at lr 0). A nan gradient,
+    or an inf or nan weight, makes that tensor nan.
     """
     if groups is None:
         groups = [(dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
@@ -305,8 +310,13 @@ def _multi_tensor(opts, params, grads, states, w_norms, g_norms) -> torch.Tensor
     unit, carry, d_coef = lars_momentum_coefficients(
         local_lr, torch.stack([p for _, p in states]), mu)
     ds = torch._foreach_add(gs, ws, alpha=wd) if wd else gs
+    # Where local_lr is 0 (an infinite gradient norm, or lr 0) d adds nothing, as in the
+    # reference: clamped to 0 there, since d_coef * d would be 0 * inf = nan.
+    bound = torch.where(d_coef == 0, 0.0, math.inf).to(local_lr.dtype)
+    ds = torch._foreach_clamp_max(ds, bound.unbind())
+    torch._foreach_clamp_min_(ds, (-bound).unbind())
     torch._foreach_mul_(bufs, carry.unbind())
-    torch._foreach_addcmul_(bufs, ds, d_coef.unbind())
+    torch._foreach_add_(bufs, ds)
     if opts["nesterov"]:
         torch._foreach_addcmul_(ws, bufs, (-mu * unit).unbind())
         torch._foreach_addcmul_(ws, ds, (-local_lr).unbind())
