@@ -10,6 +10,7 @@ from bigbatch.cli.main import main
 from bigbatch.config.strategy import Strategy
 from bigbatch.train.monitor import read_run, sparkline
 from bigbatch.train.trainer import TrainConfig, train
+from tests._cli import TINY
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +98,81 @@ def test_loss_panel_is_on_a_log_scale(finished, monkeypatch):
     loss, lr = figures[0].axes[:2]
     assert loss.get_title() == "train loss" and loss.get_yscale() == "log"
     assert lr.get_yscale() == "linear"
+
+
+def _lines(*records) -> str:
+    return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records)
+
+
+def test_damaged_and_foreign_lines_are_skipped_and_counted_and_names_shown_as_text(
+        tmp_path, capsys, monkeypatch):
+    """A run's own files never crash the monitor: a line without a step, per-rank lists of
+    different lengths, a straggler without its ratio, text that is not JSON and JSON that is
+    not a record are skipped and counted; names that look like rich markup show literally."""
+    monkeypatch.setenv("COLUMNS", "200")
+    ranks = {"kind": "ranks", "step": 2, "compute_s": [0.01, 0.02], "data_s": [0.0, 0.0],
+             "sync_s": [0.001, 0.001], "micro_batch_sizes": ["[/bold]", 32]}
+    (tmp_path / "metrics.jsonl").write_text(_lines(
+        {"kind": "train", "step": 1, "loss": 2.0},
+        {"kind": "train", "loss": 1.5},                                   # no step
+        {"kind": "train", "step": "two", "loss": 1.4},                    # a step that is text
+        "not json at all",
+        [1, 2, 3],
+        {"kind": "ranks", "step": 2, "compute_s": [0.01, 0.02], "data_s": [0.0],
+         "sync_s": [0.0, 0.0]},                                           # a short list
+        {"kind": "straggler", "step": 2, "rank": 1},                      # no ratio
+        ranks,
+        {"kind": "my_policy", "note": "a policy's own record"},           # not counted
+        {"kind": "train", "step": 2, "loss": 1.0, "epoch": "[red]"},
+        {"kind": "eval", "step": 2, "[/bold]x": 0.5, "[red]acc[/red]": 0.25},
+        {"kind": "batch_size", "step": 2, "old": "[/b]", "new": 128, "reason": "[/i]"},
+    ))
+    (tmp_path / "summary.json").write_text("[]")  # not an object: as if absent
+    (tmp_path / "stopped.json").write_text(json.dumps(
+        {"message": "[/bold] a stop", "status": 3, "step": 2}))
+    view = read_run(tmp_path)
+    assert view.skipped == 6 and [r["step"] for r in view.train] == [1, 2]
+    assert view.ranks == [ranks] and view.summary is None
+    assert main(["monitor", str(tmp_path), "--once"]) == 0
+    text = capsys.readouterr().out
+    assert "skipped 6 lines of metrics.jsonl" in text
+    for literal in ("test [/bold]x (step 2)", "test [red]acc[/red] (step 2)", "[/bold]",
+                    "global batch [/b] -> 128 ([/i])", "stopped (status 3): [/bold] a stop"):
+        assert literal in text, literal
+    assert main(["monitor", str(tmp_path), "--png"]) == 0
+    assert (tmp_path / "monitor.png").stat().st_size > 0
+
+
+def test_a_run_stopped_by_a_non_finite_loss_says_why(tmp_path, capsys, monkeypatch,
+                                                       train_env):
+    """The trainer records why it stopped (OUT/stopped.json, one of the run's files), so a
+    later `monitor` says so instead of "interrupted?"."""
+    import importlib
+    import math
+
+    plan = importlib.import_module("bigbatch.train.plan")  # where the trainer gets its task
+    real, calls = plan.get_task, []
+
+    def get_task(*args, **kw):
+        task = real(*args, **kw)
+        loss = task.loss
+
+        def nan_at_step_3(out, batch):
+            calls.append(1)
+            total, count = loss(out, batch)
+            return (total * math.nan if len(calls) == 3 else total), count
+
+        task.loss = nan_at_step_3
+        return task
+
+    monkeypatch.setattr(plan, "get_task", get_task)
+    monkeypatch.setenv("COLUMNS", "200")
+    out = tmp_path / "run"
+    assert main(["train", "--nproc", "1", "--out", str(out), *TINY, "--steps", "6",
+                 "--log-every", "1"]) == 1
+    capsys.readouterr()
+    assert "stopped.json" in json.loads((out / ".bigbatch-files.json").read_text())["files"]
+    assert main(["monitor", str(out), "--once"]) == 0
+    text = capsys.readouterr().out
+    assert "stopped (status 1): non-finite loss at optimizer step 3" in text, text
+    assert "interrupted" not in text

@@ -1,6 +1,10 @@
 """What `bigbatch monitor OUT` shows: a run's `metrics.jsonl` read into series, and a rich
 view of them (loss, LR, batch size, noise scale, trust-ratio spread, per-rank step times
 with stragglers marked). The figure is `bigbatch.train.monitor_figure`.
+
+The files are read as untrusted: a line that is not JSON, not an object, or a record of a
+kind the view shows without the fields it needs (a step, per-rank lists of one length) is
+skipped and counted; names from the file are shown as text, never as rich markup.
 """
 
 from __future__ import annotations
@@ -37,12 +41,15 @@ class RunView:
     stopped: dict[str, Any] | None = None
     updated: float | None = None
     """When metrics.jsonl last changed (`time.time()`), None without one."""
+    skipped: int = 0
+    """Lines of metrics.jsonl left out: damaged, or not records the view can show."""
 
     @property
     def status(self) -> str:
         if self.stopped is not None and (self.updated is None
                                          or self.stopped.get("_mtime", 0) >= self.updated - 1):
-            return f"stopped (status {self.stopped.get('status')}): {self.stopped.get('message')}"
+            status, message = self.stopped.get("status"), self.stopped.get("message")
+            return f"stopped (status {status}): {message}"
         if self.summary is not None:
             return "finished"
         if self.updated is None:
@@ -76,8 +83,46 @@ class RunView:
         return xs, ys
 
 
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _numbers(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(_number(x) for x in v)
+
+
+def _ranks_ok(r: dict[str, Any]) -> bool:
+    lists = [r.get(k) for k in ("compute_s", "data_s", "sync_s")]
+    shares = r.get("micro_batch_sizes")
+    return (all(_numbers(x) for x in lists) and len({len(x) for x in lists}) == 1
+            and (shares is None or isinstance(shares, list) and len(shares) == len(lists[0])))
+
+
+_VALID = {  # what each kind the view shows needs besides its step
+    "train": lambda r: True,
+    "eval": lambda r: True,
+    "ranks": _ranks_ok,
+    "straggler": lambda r: (isinstance(r.get("rank"), int) and r["rank"] >= 0
+                            and _number(r.get("ratio")) and _number(r.get("compute_s"))),
+    "rebalance": lambda r: "old" in r and "new" in r,
+    "batch_size": lambda r: "old" in r and "new" in r,
+}
+
+
+def _usable(record: Any) -> bool | None:
+    """True: a record the view shows; None: another kind (a policy's own), left out
+    quietly; False: damaged or foreign."""
+    if not isinstance(record, dict) or not isinstance(record.get("kind"), str):
+        return False
+    check = _VALID.get(record["kind"])
+    if check is None:
+        return None
+    return _number(record.get("step")) and bool(check(record))
+
+
 def read_run(out: str | Path) -> RunView:
-    """Read `OUT`; a half-written last line (a live run) is skipped."""
+    """Read `OUT`; a half-written last line (a live run) is left out, and any other line
+    the view cannot show is skipped and counted (`RunView.skipped`)."""
     out = Path(out)
     view = RunView(out)
     path = out / METRICS_FILE
@@ -86,21 +131,32 @@ def read_run(out: str | Path) -> RunView:
         kinds = {"train": view.train, "eval": view.evals, "ranks": view.ranks,
                  "straggler": view.stragglers, "rebalance": view.rebalances,
                  "batch_size": view.batch_changes}
-        for line in path.read_text().splitlines():
+        text = path.read_bytes().decode("utf-8", errors="replace")
+        lines = text.split("\n")
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
             try:
                 record = json.loads(line)
             except ValueError:
-                continue
-            if isinstance(record, dict) and record.get("kind") in kinds:
+                if i == len(lines) - 1:  # no newline yet: still being written
+                    continue
+                record = None
+            usable = _usable(record)
+            if usable:
                 kinds[record["kind"]].append(record)
+            elif usable is False:
+                view.skipped += 1
     for name, attr in (("summary.json", "summary"), (STOPPED_FILE, "stopped")):
         try:
             data = json.loads((out / name).read_text())
-            if attr == "stopped":
-                data["_mtime"] = (out / name).stat().st_mtime
-            setattr(view, attr, data)
         except (OSError, ValueError):
-            pass
+            continue
+        if not isinstance(data, dict):
+            continue
+        if attr == "stopped":
+            data["_mtime"] = (out / name).stat().st_mtime
+        setattr(view, attr, data)
     return view
 
 
@@ -131,6 +187,7 @@ def _fmt(v: float | None) -> str:
 
 def _metrics_table(view: RunView) -> Any:
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title="training", title_justify="left", expand=False)
     for col, justify in (("", "left"), ("latest", "right"), ("min", "right"),
@@ -151,12 +208,13 @@ def _metrics_table(view: RunView) -> Any:
     for r in view.evals[-1:]:
         for key, v in r.items():
             if key not in ("kind", "step", "epoch") and isinstance(v, int | float):
-                table.add_row(f"test {key} (step {r['step']})", _fmt(v), "", "", "")
+                table.add_row(Text(f"test {key} (step {r['step']})"), _fmt(v), "", "", "")
     return table
 
 
 def _ranks_table(view: RunView) -> Any:
     from rich.table import Table
+    from rich.text import Text
 
     last = view.ranks[-1]
     flagged: dict[int, int] = {}
@@ -182,7 +240,7 @@ def _ranks_table(view: RunView) -> Any:
         elif ratio > 1.5:
             mark = f"[yellow]slow: {mark}[/yellow]"
         table.add_row(str(r), f"{1e3 * (c + d + s):.1f}", f"{1e3 * c:.1f}", f"{1e3 * d:.1f}",
-                      f"{1e3 * s:.1f}", "-" if shares[r] is None else str(shares[r]), mark)
+                      f"{1e3 * s:.1f}", Text("-" if shares[r] is None else str(shares[r])), mark)
     return table
 
 
@@ -195,7 +253,7 @@ def render(view: RunView) -> Any:
     epoch = view.train[-1].get("epoch") if view.train else None
     head = Text.assemble((f"bigbatch monitor {view.out}", "bold"),
                          f"  {view.status}  step {step}",
-                         f"  epoch {epoch:.2f}" if isinstance(epoch, int | float) else "")
+                         f"  epoch {epoch:.2f}" if _number(epoch) else "")
     parts: list[Any] = [head, _metrics_table(view)]
     if view.ranks:
         parts.append(_ranks_table(view))
@@ -208,4 +266,8 @@ def render(view: RunView) -> Any:
                for c in view.batch_changes]
     if events:
         parts.append(Text("events:\n  " + "\n  ".join(events[-8:])))
+    if view.skipped:
+        parts.append(Text(f"skipped {view.skipped} line{'s' if view.skipped > 1 else ''} of "
+                          f"{METRICS_FILE} (damaged, or not a record this view shows)",
+                          style="yellow"))
     return Group(*parts)

@@ -36,7 +36,8 @@ def write_figure(view: RunView, path: Path | None = None) -> Path:
             ax.plot(xs, ys, lw=1.2, drawstyle="steps-post" if key == "global_batch_size" else
                     "default")
             if key == "loss" and view.evals:
-                ev = [(r["step"], r["loss"]) for r in view.evals if "loss" in r]
+                ev = [(r["step"], r["loss"]) for r in view.evals
+                      if isinstance(r.get("loss"), int | float)]
                 if ev:
                     ax.plot(*zip(*ev, strict=True), "o-", ms=3, label="test")
                     ax.legend()
@@ -62,7 +63,7 @@ def write_figure(view: RunView, path: Path | None = None) -> Path:
     else:
         ax.text(0.5, 0.5, "no per-rank timings\n(adaptive.policies = [\"straggler\"])",
                 ha="center", va="center", transform=ax.transAxes, color="grey")
-    fig.suptitle(f"{view.out}: {view.status}", fontsize=10)
+    fig.suptitle(f"{view.out}: {view.status}".replace("$", r"\$"), fontsize=10)  # no mathtext
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
     plt.close(fig)

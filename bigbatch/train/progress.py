@@ -76,7 +76,7 @@ class MetricsWriter:
 def _step_of(line: str) -> float:
     try:
         return float(json.loads(line).get("step", math.inf))
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, TypeError):  # a foreign line: dropped on resume
         return math.inf
 
 

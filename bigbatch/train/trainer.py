@@ -54,7 +54,7 @@ from bigbatch.train.checkpointer import Checkpointer
 from bigbatch.train.config import MAX_NONFINITE_SKIPS, TrainConfig
 from bigbatch.train.header import header_lines
 from bigbatch.train.lr_phase import CURVE_FILE, lr_find_phase
-from bigbatch.train.nonfinite import NonFiniteGuard
+from bigbatch.train.nonfinite import NonFiniteGuard, NonFiniteLossError
 from bigbatch.train.outdir import RUN_FILE, prepare_out
 from bigbatch.train.pipeline_eval import evaluate_pipeline
 from bigbatch.train.plan import fit_warmup, load_task, plan_run
@@ -89,7 +89,11 @@ def train(config: TrainConfig, strategy: Strategy, world: World | None = None) -
     try:
         with stop.installed():
             trainer = _Trainer(config, strategy, world, stop, held)
-            summary = trainer.fit()
+            try:
+                summary = trainer.fit()
+            except NonFiniteLossError as e:
+                trainer.record_stop(str(e), 1)
+                raise
         if owns_group:  # and leave together
             barrier(world)
         return summary
@@ -210,6 +214,16 @@ class _Trainer:
         if policies.checkpoint_requested:
             policies.checkpoint_requested = False
             self.checkpoint()
+
+    def record_stop(self, message: str, status: int) -> None:
+        """Rank 0: say in `OUT/stopped.json` why the run ended early (`bigbatch monitor`
+        shows it), without hiding the error that ended it."""
+        if not self.main:
+            return
+        try:
+            write_stopped(self.out, message, status, self.run.step, self.files)
+        except OSError as e:
+            self.bar.print(f"note: could not record the stop in {self.out} ({e})")
 
     def _write(self, name: str, text: str) -> None:
         """Rank 0: the output file `name` (recorded first, written atomically)."""
