@@ -18,6 +18,7 @@ it is a state bigbatch wrote (it holds ``bigbatch-state.json``): nothing else is
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -128,14 +129,20 @@ def save_state(run: Any, directory: str | os.PathLike, extra: dict[str, Any] | N
     if final.exists() and not (final / MARKER).is_file():
         raise ConfigError(f"run.save_state({str(final)!r}): the directory exists and is not "
                           "a state bigbatch wrote; choose another (nothing was written)")
+    foreign = _not_written(final) if final.exists() else None
+    if foreign is not None:  # replacing the state would delete it
+        raise ConfigError(f"run.save_state({str(final)!r}): it holds {foreign}, which "
+                          "bigbatch did not write; move it, or choose another directory "
+                          "(nothing was written)")
     world, sharded = run.world, run.mesh.degrees.sharded_state
     what = f"run.save_state({str(final)!r})"
     tmp = final.with_name(f".{final.name}.tmp")
     failure: BaseException | None = None
     if world.is_main:
         try:
-            shutil.rmtree(tmp, ignore_errors=True)  # our own leftover from an interrupted save
+            _remove_leftover(tmp)  # of an interrupted save; another program's is refused
             tmp.mkdir(parents=True)
+            (tmp / MARKER).write_text("{}\n")  # ours from now on (the real one comes last)
         except OSError as e:
             failure = e
     _agree(run, failure, what)
@@ -158,25 +165,69 @@ def save_state(run: Any, directory: str | os.PathLike, extra: dict[str, Any] | N
         _agree(run, failure, what)
     except SaveStateError:
         if world.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove_folder(tmp)
         raise
     old = final.with_name(f".{final.name}.old")
     if world.is_main:
         try:
             (tmp / MARKER).write_text(json.dumps({"format": FORMAT, "step": run.step,
                                                   "world_size": world.world_size,
-                                                  "sharded": sharded}) + "\n")
+                                                  "sharded": sharded,
+                                                  "files": _files_in(tmp)}) + "\n")
             if final.exists():
+                _remove_leftover(old)  # a state a crash left there; not another program's
                 os.replace(final, old)
             os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
+            _remove_folder(old)  # the previous state: only bigbatch's files (checked above)
         except OSError as e:
             failure = e
             if old.exists() and not final.exists():
                 os.replace(old, final)
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove_folder(tmp)
     _agree(run, failure, what)
     return final
+
+
+def _files_in(folder: Path) -> list[str]:
+    """Every file under `folder`, relative to it ('/'-separated), symlinks not followed."""
+    found = []
+    for d, dirs, names in os.walk(folder):
+        rel = Path(d).relative_to(folder)
+        found += [(rel / n).as_posix() for n in names]
+        found += [(rel / n).as_posix() for n in dirs if os.path.islink(os.path.join(d, n))]
+    return sorted(found)
+
+
+def _not_written(state: Path) -> str | None:
+    """The first file in a saved `state` that its record does not list (another program's),
+    else None. A state saved before the record listed its files: None (all its own)."""
+    try:
+        listed = json.loads((state / MARKER).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(listed, list):
+        return None
+    return next((f for f in _files_in(state) if f not in {*listed, MARKER}), None)
+
+
+def _remove_leftover(tmp: Path) -> None:
+    """Delete what an interrupted save left at `tmp`: only a folder bigbatch made (it holds
+    the marker from its first moment); anything else there raises FileExistsError."""
+    if not (tmp.exists() or tmp.is_symlink()):
+        return
+    if tmp.is_symlink() or not tmp.is_dir() or not (tmp / MARKER).is_file():
+        raise FileExistsError(errno.EEXIST, f"{tmp} exists and bigbatch did not make it; "
+                              "move it away")
+    _remove_folder(tmp)
+
+
+def _remove_folder(folder: Path) -> None:
+    """Delete a folder save_state made; a symlink in its place: the link, never its target
+    (`shutil.rmtree` removes links inside without following them)."""
+    if folder.is_symlink():
+        folder.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def load_state(run: Any, directory: str | os.PathLike) -> dict[str, Any]:
