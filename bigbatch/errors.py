@@ -27,6 +27,12 @@ class PipelineError(RuntimeError):
     the layer where the error happened and the original error (`__cause__` on that rank)."""
 
 
+class NonFiniteLossError(RuntimeError):
+    """A non-finite loss that `nan_policy` may not skip (`stop`, or `skip` past its limit
+    of consecutive steps); the message names the optimizer step. Raised on every worker
+    alike; the CLI exits 1."""
+
+
 class SaveStateError(OSError):
     """`run.save_state` failed on some rank (a full disk, a lost directory): every rank
     raises it, naming the rank and the reason; the previous state is kept and the partial

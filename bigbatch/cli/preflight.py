@@ -87,8 +87,8 @@ def preflight(config, strategy, world_size: int | None, *, checks_out: bool = Tr
         from bigbatch.train.checkpoint import load_training_checkpoint, resume_checkpoint
         from bigbatch.train.resume import check_resume
 
-        path = resume_checkpoint(out)
-        ckpt = load_training_checkpoint(path)
+        path = resume_checkpoint(out, trust=config.trust_checkpoint)
+        ckpt = load_training_checkpoint(path, trust=config.trust_checkpoint)
         check_resume(config, strategy, ckpt, path.name, cls.default_model)
         if world_size is not None:  # parameter-server checkpoints need the same ranks
             from bigbatch.train.ps_job import check_resume as check_ps_resume

@@ -80,6 +80,10 @@ def add_train_arguments(t: argparse.ArgumentParser) -> None:
     again.add_argument("--overwrite", action="store_true",
                        help="replace the run in --out: delete the files bigbatch wrote there "
                        "(and nothing else)")
+    t.add_argument("--trust-checkpoint", action="store_true",
+                   help="with --resume: accept a checkpoint that has no manifest (a save cut "
+                   "short, files copied without their .json); it is still read as tensors "
+                   "and plain data only")
     t.add_argument("--checkpoint-every", type=_positive_int, metavar="N",
                    help="optimizer steps between checkpoints (default: once per epoch)")
     t.add_argument("--log-every", type=_positive_int, metavar="N",
@@ -136,11 +140,11 @@ def resolve(args: argparse.Namespace):
     if _restarted():
         # torchrun --max-restarts restarts every worker with the same arguments: continue
         # from this job's last checkpoint, or start again over this job's own files.
-        resume = latest_checkpoint(out) is not None
+        resume = latest_checkpoint(out, trust=args.trust_checkpoint) is not None
         overwrite = not resume
     saved: dict = {}
     if resume:
-        resume_checkpoint(out)  # one there, and a whole one
+        resume_checkpoint(out, trust=args.trust_checkpoint)  # one there, and a whole one
         try:
             saved = json.loads((out / RUN_FILE).read_text())
         except (OSError, ValueError):
@@ -159,7 +163,7 @@ def resolve(args: argparse.Namespace):
                               f"strategy file for {args.task}")
         given["task"] = file["task"]
     kept = set(TrainConfig.__dataclass_fields__) - {"out", "resume", "overwrite", "progress",
-                                                    "fit_warmup"}
+                                                    "fit_warmup", "trust_checkpoint"}
     fields = {k: v for k, v in saved.items() if k in kept} if isinstance(saved, dict) else {}
     if args.epochs is not None or args.steps is not None:  # a new length replaces the old one
         fields.pop("epochs", None)
@@ -170,7 +174,8 @@ def resolve(args: argparse.Namespace):
     user_warmup = bool(file.get("warmup")) or any(
         o.partition("=")[0].strip() in WARMUP_KEYS for o in args.overrides)
     fields.update(out=str(out), resume=resume, overwrite=overwrite, progress=not args.no_progress,
-                  fit_warmup=not resume and not user_warmup)
+                  fit_warmup=not resume and not user_warmup,
+                  trust_checkpoint=args.trust_checkpoint)
     if args.no_tensorboard:
         fields["tensorboard"] = False
     config = TrainConfig(**fields)

@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from bigbatch.errors import ConfigError, SaveStateError
+from bigbatch.engine.safe_load import check_plain
+from bigbatch.errors import ConfigError, SaveStateError, UntrustedFileError
 
 try:
     from torch.distributed.checkpoint.api import CheckpointException
@@ -72,19 +73,32 @@ def set_dcp_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def rng_state() -> dict:
-    """This process's random-number generator states: torch (CPU and CUDA), numpy, python."""
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-             "python": random.getstate()}
+    """This process's random-number generator states: torch (CPU and CUDA), numpy, python,
+    as tensors and plain data (read back weights-only: `bigbatch.engine.safe_load`)."""
+    kind, key, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    state = {"torch": torch.get_rng_state(),
+             "numpy": {"kind": str(kind), "key": torch.from_numpy(key.astype(np.int64)),
+                       "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)},
+             "python": [int(version), [int(x) for x in internal], gauss_next]}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    """Restore what `rng_state()` returned."""
+    """Restore what `rng_state()` returned (or, before RNG states were plain data, the
+    tuples of numpy's and python's own getstate)."""
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    saved = state["numpy"]
+    if isinstance(saved, dict):
+        key = saved["key"]
+        key = key.numpy() if isinstance(key, torch.Tensor) else np.asarray(key)
+        saved = (saved["kind"], key.astype(np.uint32), int(saved["pos"]),
+                 int(saved["has_gauss"]), float(saved["gauss"]))
+    np.random.set_state(saved)
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -136,6 +150,7 @@ def save_state(run: Any, directory: str | os.PathLike, extra: dict[str, Any] | N
                           "(nothing was written)")
     world, sharded = run.world, run.mesh.degrees.sharded_state
     what = f"run.save_state({str(final)!r})"
+    check_plain(dict(extra or {}), f"{what}: extra")
     tmp = final.with_name(f".{final.name}.tmp")
     failure: BaseException | None = None
     if world.is_main:
@@ -157,9 +172,11 @@ def save_state(run: Any, directory: str | os.PathLike, extra: dict[str, Any] | N
         if world.is_main:
             if not sharded:
                 torch.save(run.module.state_dict(), tmp / "model.pt")
-            torch.save({"engine": engine, "extra": dict(extra or {})}, tmp / "run.pt")
+            saved = {"engine": engine, "extra": dict(extra or {})}
+            check_plain(saved, "the run's state")  # a policy's state_dict, say
+            torch.save(saved, tmp / "run.pt")
     # torch reports a full disk as RuntimeError, DCP as CheckpointException (a BaseException)
-    except (OSError, RuntimeError, CheckpointException) as e:
+    except (OSError, RuntimeError, CheckpointException, ConfigError) as e:
         failure = e
     try:
         _agree(run, failure, what)
@@ -231,33 +248,78 @@ def _remove_folder(folder: Path) -> None:
 
 
 def load_state(run: Any, directory: str | os.PathLike) -> dict[str, Any]:
-    """Collective: restore what `save_state` wrote into `run`; returns the `extra` dict."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
+    """Collective: restore what `save_state` wrote into `run`; returns the `extra` dict.
+    Every file is read as tensors and plain data only (`bigbatch.engine.safe_load`): one
+    that holds anything else raises `UntrustedFileError` before the run is changed."""
+    from bigbatch.engine.safe_load import (
+        dcp_load,
+        load_plain,
+        read_dcp_metadata,
+        untrusted_cause,
+    )
+
     path = Path(directory)
+    where = f"run.load_state({str(path)!r})"
     if not (path / MARKER).is_file():
-        raise ConfigError(f"run.load_state({str(path)!r}): no state saved there "
-                          f"({MARKER} is missing)")
-    meta = json.loads((path / MARKER).read_text())
+        raise ConfigError(f"{where}: no state saved there ({MARKER} is missing)")
+    try:
+        meta = json.loads((path / MARKER).read_text())
+        saved_sharded, saved_world = bool(meta["sharded"]), int(meta["world_size"])
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ConfigError(f"{where}: {MARKER} is not a state record ({type(e).__name__})"
+                          ) from None
     sharded = run.mesh.degrees.sharded_state
-    if bool(meta["sharded"]) != sharded:
-        raise ConfigError(f"run.load_state({str(path)!r}): saved by a "
-                          f"{'sharded' if meta['sharded'] else 'whole-model'} run; this run "
+    if saved_sharded != sharded:
+        raise ConfigError(f"{where}: saved by a "
+                          f"{'sharded' if saved_sharded else 'whole-model'} run; this run "
                           f"is {'sharded' if sharded else 'not'} (the layout must agree)")
-    saved = torch.load(path / "run.pt", map_location="cpu", weights_only=False)
+    saved: Any = None
+    rngs: Any = None
+    model, refused = None, None
+    try:
+        saved = load_plain(path / "run.pt", f"{where}: run.pt")
+        if not isinstance(saved, dict) or not isinstance(saved.get("engine"), dict):
+            raise ConfigError(f"{where}: run.pt is not a run state (a {type(saved).__name__})")
+        rng = path / f"rng-{run.world.rank}.pt"
+        if saved_world == run.world.world_size and rng.is_file():
+            rngs = load_plain(rng, f"{where}: {rng.name}")
+        if sharded:  # DCP's index, checked here: inside DCP a refusal loses its words
+            read_dcp_metadata(path / "model" / ".metadata")
+        else:
+            model = load_plain(path / "model.pt", f"{where}: model.pt",
+                               map_location=run.world.device)
+    except ConfigError as e:
+        refused = e
+    _refuse_together(run, refused)
     if sharded:
         state = dcp_state(run.module, run.optimizer)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=path / "model", no_dist=not dist.is_initialized())
+        try:
+            dcp_load(state, path / "model")
+        except CheckpointException as e:
+            refusal = untrusted_cause(e)
+            if refusal is None:
+                raise
+            raise refusal from None
         set_dcp_state(run.module, run.optimizer, state)
     else:
-        run.module.load_state_dict(torch.load(path / "model.pt", map_location=run.world.device))
+        run.module.load_state_dict(model)
     run.load_state_dict(saved["engine"])
-    rng = path / f"rng-{run.world.rank}.pt"
-    if int(meta["world_size"]) == run.world.world_size and rng.is_file():
-        set_rng_state(torch.load(rng, weights_only=False))
-    return saved["extra"]
+    if rngs is not None:
+        set_rng_state(rngs)
+    return saved.get("extra", {})
+
+
+def _refuse_together(run: Any, refused: ConfigError | None) -> None:
+    """Collective: every rank raises the lowest refusing rank's error (before any of them
+    enters DCP's collective load), or none does."""
+    from bigbatch.parallel.world import gather
+
+    said = [m for m in gather(None if refused is None else str(refused), run.world)
+            if m is not None]
+    if refused is not None:
+        raise refused
+    if said:
+        raise UntrustedFileError(said[0])
 
 
 def whole_state_dict(run: Any) -> dict[str, torch.Tensor]:

@@ -7,10 +7,15 @@ newest K. `latest_checkpoint` returns the newest checkpoint whose payload matche
 its manifest and whose other files are all there at their sizes: a corrupt or
 truncated one is skipped with a one-line warning and the previous good one is used
 (the shards' digests are checked by the workers together: `bigbatch.train.verified`).
-A payload without a manifest (a crash between the two renames, or an older run) is
-accepted when its zip structure and CRCs check out. A save that fails midway (disk
-full: torch reports it as a RuntimeError) leaves the previous checkpoints intact,
-removes its temporary file and raises `CheckpointSaveError`. A payload torch cannot
+A payload without a manifest (a crash between the two renames, or files anyone could
+have put there) was never committed: it is skipped like a damaged one, and when no
+checkpoint is left the resume is refused in one line (`UntrustedFileError`, exit 2)
+unless the user trusts it (`--trust-checkpoint`, ``trust=True``): then its zip structure
+and CRCs are checked instead. Either way the payload is read as tensors and plain data
+only (`bigbatch.engine.safe_load`): a pickled object is refused in one line, never
+built. A save that fails midway (disk full: torch reports it as a RuntimeError) leaves
+the previous checkpoints intact, removes its temporary file and raises
+`CheckpointSaveError`. A payload torch cannot
 read is a one-line `CheckpointError`; `load_training_checkpoint` also checks its
 format (a foreign, older or newer payload is one too).
 """
@@ -18,6 +23,7 @@ format (a foreign, older or newer payload is one too).
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
 import pickle
@@ -27,8 +33,9 @@ from typing import Any
 
 import torch
 
+from bigbatch.engine.safe_load import check_plain, load_plain
 from bigbatch.engine.saving import failure_reason
-from bigbatch.errors import ConfigError
+from bigbatch.errors import ConfigError, UntrustedFileError
 from bigbatch.train.confined import resolves_inside
 from bigbatch.train.manifest import (  # noqa: F401 - MANIFEST_FORMAT: re-exported
     MANIFEST_FORMAT,
@@ -40,7 +47,8 @@ from bigbatch.train.manifest import (  # noqa: F401 - MANIFEST_FORMAT: re-export
 )
 from bigbatch.train.sharded import remove_sharded, sharded_dir, sharded_problem
 
-__all__ = ["CHECKPOINT_DIR", "CHECKPOINT_FORMAT", "MANIFEST_FORMAT", "QUIET_ENV",
+__all__ = ["CHECKPOINT_DIR", "CHECKPOINT_FORMAT", "MANIFEST_FORMAT", "NO_MANIFEST", "QUIET_ENV",
+           "TRUST_FLAG",
            "CheckpointDamagedError", "CheckpointError", "CheckpointSaveError", "WriteError",
            "atomic_save", "check_format", "checkpoint_path", "failure_reason",
            "latest_checkpoint", "list_checkpoints", "load_checkpoint", "newest_whole",
@@ -178,12 +186,19 @@ def list_checkpoints(out: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def verify_checkpoint(path: str | os.PathLike) -> str | None:
+NO_MANIFEST = "no manifest"
+"""What `verify_checkpoint` says of a payload without one that the user did not trust."""
+
+
+def verify_checkpoint(path: str | os.PathLike, trust: bool = False) -> str | None:
     """None when the checkpoint at `path` is whole as far as one process checks it (its
-    payload, and its other files present at their sizes), else why not (a short phrase)."""
+    payload, and its other files present at their sizes), else why not (a short phrase).
+    A payload without a manifest is not whole unless `trust`: then its zip CRCs decide."""
     path = Path(path)
     try:
         meta = read_manifest(path)
+        if meta is None and not trust:
+            return NO_MANIFEST
         if meta is not None:
             problem = payload_problem(path, meta)
             if problem is None and meta.get("files"):
@@ -196,6 +211,8 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
         with zipfile.ZipFile(path) as z:  # no manifest: torch.save's zip and its CRCs
             bad = z.testzip()
         return f"damaged entry {bad}" if bad else None
+    except UntrustedFileError:  # DCP's index names a foreign object: said, never skipped
+        raise
     except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
         return f"unreadable ({type(e).__name__}: {e})".splitlines()[0]
 
@@ -213,16 +230,16 @@ def _says() -> bool:
         os.environ.get(QUIET_ENV) != "1" or restarted)
 
 
-def newest_whole(out: str | os.PathLike, before: Path | None = None
+def newest_whole(out: str | os.PathLike, before: Path | None = None, trust: bool = False
                  ) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest checkpoint (older than `before`) that verifies, or None, and the newer
-    ones that do not, with why (newest first)."""
+    ones that do not, with why (newest first). `trust`: see `verify_checkpoint`."""
     found = list_checkpoints(out)
     if before is not None:
         found = [p for p in found if p.name < Path(before).name]
     bad = []
     for path in reversed(found):
-        problem = verify_checkpoint(path)
+        problem = verify_checkpoint(path, trust)
         if problem is None:
             return path, bad
         bad.append((path, problem))
@@ -235,16 +252,21 @@ def warn_damaged(bad: list[tuple[Path, str]], using: Path) -> None:
     for path, why in bad:
         if (str(path), why) not in _warned:
             _warned.add((str(path), why))
-            log.warning("warning: checkpoint %s is corrupt (%s); using %s", path.name, why,
-                        using.name)
+            if why == NO_MANIFEST:
+                log.warning("warning: checkpoint %s has no manifest (its save did not finish, "
+                            "or bigbatch did not write it); using %s", path.name, using.name)
+            else:
+                log.warning("warning: checkpoint %s is corrupt (%s); using %s", path.name, why,
+                            using.name)
 
 
 def latest_checkpoint(out: str | os.PathLike, before: Path | None = None,
-                      warn: bool | None = None) -> Path | None:
+                      warn: bool | None = None, trust: bool = False) -> Path | None:
     """The newest checkpoint (older than `before`) that verifies; a bad newer one is
     skipped with a one-line warning naming the one used (`warn`: by default, in one
-    process of a job). None when none verifies: the caller says so, in one line."""
-    path, bad = newest_whole(out, before)
+    process of a job). None when none verifies: the caller says so, in one line.
+    `trust`: a payload without a manifest may be used (`verify_checkpoint`)."""
+    path, bad = newest_whole(out, before, trust)
     if path is not None and (warn if warn is not None else _says()):
         warn_damaged(bad, path)
     return path
@@ -258,16 +280,28 @@ def damaged_error(out: str | os.PathLike, bad: list[tuple[Path, str]]) -> Checkp
                                   f"{shown}{more}")
 
 
-def resume_checkpoint(out: str | os.PathLike) -> Path:
+TRUST_FLAG = "--trust-checkpoint"
+
+
+def resume_checkpoint(out: str | os.PathLike, trust: bool = False) -> Path:
     """The checkpoint a resume of `out` starts from: ConfigError when it has none,
+    `UntrustedFileError` when the only ones left have no manifest (and not `trust`),
     `CheckpointDamagedError` when none is whole."""
-    path = latest_checkpoint(out)
+    path = latest_checkpoint(out, trust=trust)
     if path is not None:
         return path
     found = list_checkpoints(out)
     if not found:
         raise ConfigError(f"--resume: no checkpoint in {Path(out) / CHECKPOINT_DIR}")
-    raise damaged_error(out, [(p, verify_checkpoint(p) or "?") for p in reversed(found)])
+    bad = [(p, verify_checkpoint(p, trust) or "?") for p in reversed(found)]
+    unvouched = [p for p, why in bad if why == NO_MANIFEST]
+    if unvouched and not trust:
+        raise UntrustedFileError(
+            f"--resume: checkpoint {unvouched[0].name} has no manifest "
+            f"({manifest_path(unvouched[0]).name}), so nothing vouches that bigbatch wrote it; "
+            f"refused. If you know where it came from, resume with {TRUST_FLAG} (it is still "
+            "read as tensors and plain data only)")
+    raise damaged_error(out, bad)
 
 
 def save_checkpoint(out: str | os.PathLike, step: int, state: dict, keep: int = 2,
@@ -283,10 +317,16 @@ def save_checkpoint(out: str | os.PathLike, step: int, state: dict, keep: int = 
     manifest = manifest_path(path)
     existed = path.exists()  # a step saved again: its old payload stays the fallback
     try:
+        check_plain(state, f"checkpoint {path.name}")  # what a resume could not read back
+    except ConfigError as e:
+        raise CheckpointSaveError(f"saving checkpoint {path.name} failed ({e}); "
+                                  f"{kept_line(out, path)}") from None
+    try:
         if files is not None:
             files.make_dir(CHECKPOINT_DIR)
             files.add(path, manifest)
-        manifest.unlink(missing_ok=True)  # a half-replaced step must not verify against it
+        # A step saved again keeps its old manifest until the new one replaces it: the old
+        # payload still verifies if this save fails, a new one never verifies against it.
         atomic_save(state, path)
         write_manifest(path, step, shards, write_text_atomic)  # the commit point
     except (OSError, RuntimeError, pickle.PicklingError) as e:
@@ -321,24 +361,45 @@ def prune(out: str | os.PathLike, keep: int, files: Any = None) -> None:
         files.discard(*old, *map(manifest_path, old))
 
 
-def load_checkpoint(path: str | os.PathLike) -> Any:
-    """Load a checkpoint written by `save_checkpoint` (our own files: full unpickling).
+def load_checkpoint(path: str | os.PathLike, trust: bool = False) -> Any:
+    """Load a checkpoint written by `save_checkpoint`, as tensors and plain data only
+    (`bigbatch.engine.safe_load.load_plain`), from the very bytes that were checked
+    against its manifest.
 
-    Raises `CheckpointError` (one line) for a payload torch cannot read.
+    Raises `UntrustedFileError` (one line) for a payload that holds any other object,
+    that does not match its manifest, or that has none (unless `trust`); `CheckpointError`
+    for a payload torch cannot read.
     """
     path = Path(path)
     try:
-        # weights_only=False: the RNG states hold numpy arrays and python tuples.
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # torch, zipfile, pickle and the classes a foreign pickle names
+        data = path.read_bytes()
+        meta = read_manifest(path)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path} cannot be read: "
+                              f"{type(e).__name__}: {failure_reason(e)}") from None
+    if meta is None and not trust:
+        raise UntrustedFileError(
+            f"checkpoint {path.name} has no manifest ({manifest_path(path).name}), so nothing "
+            f"vouches that bigbatch wrote it; refused (trust it with {TRUST_FLAG}, "
+            "trust=True in the API)")
+    if meta is not None:
+        got = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        if (got["bytes"], got["sha256"]) != (meta.get("bytes"), meta.get("sha256")):
+            raise UntrustedFileError(f"checkpoint {path.name} does not match its manifest "
+                                     f"({manifest_path(path).name}); refused")
+    try:
+        return load_plain(data, f"checkpoint {path.name}")
+    except UntrustedFileError:
+        raise
+    except Exception as e:  # torch and zipfile: a damaged or foreign file
         raise CheckpointError(f"checkpoint {path} cannot be read: "
                               f"{type(e).__name__}: {failure_reason(e)}") from None
 
 
-def load_training_checkpoint(path: str | os.PathLike) -> dict:
+def load_training_checkpoint(path: str | os.PathLike, trust: bool = False) -> dict:
     """`load_checkpoint` of a training checkpoint: CheckpointError unless it is one, of a
     format this version reads."""
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint(path, trust)
     check_format(ckpt, path)
     return ckpt
 

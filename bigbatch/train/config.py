@@ -9,12 +9,11 @@ from typing import Any
 
 from bigbatch.config.fields import check_value
 from bigbatch.config.limits import COUNT_RULE, MAX_EPOCHS, SEED_RULE
+from bigbatch.engine.nonfinite import MAX_NONFINITE_SKIPS, NAN_POLICIES
 from bigbatch.errors import ConfigError
-from bigbatch.train.nonfinite import NAN_POLICIES
 
 __all__ = ["MAX_NONFINITE_SKIPS", "TrainConfig"]
 
-MAX_NONFINITE_SKIPS = 10
 _RULES = {"epochs": {"gt": 0, "le": MAX_EPOCHS}, "steps": COUNT_RULE, "seed": SEED_RULE,
           "checkpoint_every": COUNT_RULE, "keep_checkpoints": COUNT_RULE,
           "log_every": COUNT_RULE, "eval_every": COUNT_RULE, "eval_batch_size": COUNT_RULE}

@@ -341,7 +341,7 @@ def prepare_out(config: Any, world: World, held: contextlib.ExitStack
                 if locked:
                     held.enter_context(hold(out))
                 if config.resume:
-                    ckpt = resume_checkpoint(out)
+                    ckpt = resume_checkpoint(out, trust=config.trust_checkpoint)
                     files = RunFiles.read(out) or RunFiles(out)
                 else:
                     files = check_fresh(out, config.overwrite) or RunFiles(out)

@@ -84,7 +84,8 @@ def train_parameter_server(config: Any, strategy: Any, world: World,
         resume_from, files = prepare_out(config, world, held)
         task = load_task(config, world)
         strategy, warmup_note = fit_warmup(config, strategy, task, world.world_size)
-        ckpt = load_training_checkpoint(resume_from) if resume_from is not None else None
+        ckpt = (load_training_checkpoint(resume_from, trust=config.trust_checkpoint)
+                if resume_from is not None else None)
         if ckpt is not None:
             check_resume(ckpt, strategy, world.world_size, resume_from.name)
         saved = ckpt["engine"]["batch"] if ckpt is not None else None

@@ -32,7 +32,7 @@ __all__ = ["ALLOWED", "check_resume"]
 
 ALLOWED_CONFIG = ("epochs", "steps", "checkpoint_every", "keep_checkpoints", "log_every",
                   "eval_every", "eval_batch_size", "nan_policy", "progress", "tensorboard",
-                  "out", "resume", "overwrite", "fit_warmup")
+                  "out", "resume", "overwrite", "fit_warmup", "trust_checkpoint")
 ALLOWED_STRATEGY = ("data_parallel.timeout_s", "batch.elastic", "sharding.enable",
                     "sharding.stage", "sharding.sharding_degree", "sharding.offload",
                     "pipeline.pp_degree", "pipeline.virtual_stages", "pipeline.split_points",

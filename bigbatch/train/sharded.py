@@ -23,8 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from bigbatch.engine.safe_load import dcp_load, read_dcp_metadata, untrusted_cause
 from bigbatch.engine.saving import dcp_state, failure_reason, set_dcp_state
-from bigbatch.errors import ConfigError
+from bigbatch.errors import ConfigError, UntrustedFileError
 from bigbatch.train.manifest import digest, file_problem, shard_entries, share
 
 try:
@@ -200,14 +201,15 @@ def load_sharded(payload: str | os.PathLike, model: nn.Module,
     model and optimizer, resharding when the mesh changed since the save. A read that
     fails on any rank (the shards were verified before: an I/O fault) raises
     `ShardedStateError` on every rank."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
     state = dcp_state(model, optimizer)
     folder = sharded_dir(payload)
+    read_dcp_metadata(folder / _METADATA)  # refused here in its own words, not inside DCP
     try:
-        with _single_process_ok():
-            dcp.load(state, checkpoint_id=folder, no_dist=not dist.is_initialized())
+        dcp_load(state, folder)
     except (CheckpointException, OSError, RuntimeError) as e:
+        refusal = untrusted_cause(e)
+        if refusal is not None:  # a shard's non-tensor entry held a pickled object
+            raise refusal from None
         why = failure_reason(e)
         raise ShardedStateError(f"loading checkpoint {folder.name}/ failed ({why})", why,
                                 folder) from None
@@ -218,17 +220,17 @@ def sharded_problem(payload: str | os.PathLike) -> str | None:
     """None when the DCP folder of `payload` looks complete, else why not (one phrase):
     its index is there and readable, and every file it refers to holds the bytes it
     names (the check for a checkpoint whose manifest lists no files)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     d = sharded_dir(payload)
     if not (d / _METADATA).is_file():
         return f"sharded state {d.name}/ is missing or incomplete"
     try:
-        meta = FileSystemReader(str(d)).read_metadata()
+        meta = read_dcp_metadata(d / _METADATA)
         need: dict[str, int] = {}
         for info in meta.storage_data.values():
             need[info.relative_path] = max(need.get(info.relative_path, 0),
                                            info.offset + info.length)
+    except UntrustedFileError:
+        raise
     except Exception as e:  # a damaged pickle can raise nearly anything
         return f"{d.name}/{_METADATA} unreadable ({type(e).__name__})"
     for name, n in sorted(need.items()):
@@ -279,9 +281,7 @@ def remove_sharded(payload: str | os.PathLike, files: Any = None) -> None:
 def check_sharded_fits(payload: str | os.PathLike, model: nn.Module, shapes: bool = True) -> None:
     """ConfigError unless the saved model tensors have `model`'s names (and whole shapes,
     unless `shapes` is false: a tensor-parallel run pads its vocabulary)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    meta = FileSystemReader(str(sharded_dir(payload))).read_metadata().state_dict_metadata
+    meta = read_dcp_metadata(sharded_dir(payload) / _METADATA).state_dict_metadata
     saved = {k.removeprefix("model."): tuple(v.size) for k, v in meta.items()
              if k.startswith("model.") and hasattr(v, "size")}
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()}

@@ -138,7 +138,8 @@ class _Trainer:
             model.load_state_dict(ckpt["model"])
         self.run = run = prepare(model, strategy, total_steps=self.total_steps,
                                  steps_per_epoch=spe, world=world, track_stats=True, plan=plan,
-                                 model_plan=task.model_plan(model))
+                                 model_plan=task.model_plan(model),
+                                 nan_policy=None)  # `self.guard` below keeps --nan-policy
         self.checkpoints = Checkpointer(self.out, world, self.files,
                                         keep=config.keep_checkpoints,
                                         sharded=run.mesh.degrees.sharded_state, last=resume_from)
