@@ -79,7 +79,11 @@ def _strategy(sections: dict) -> Strategy:
 def test_engine_step_makes_no_host_sync(name, count):
     torch.manual_seed(0)
     model = Tiny()
-    run = prepare(model, _strategy(CASES[name]), total_steps=20, world=World(device=torch.device("cuda")))
+    # The default nan_policy reads one flag per step where gradient hooks run (the noise
+    # scale): a skipped step must not reach them (`Run.nan_check_on_device`).
+    policy = None if "noise_scale" in name else "stop"
+    run = prepare(model, _strategy(CASES[name]), total_steps=20,
+                  world=World(device=torch.device("cuda")), nan_policy=policy)
     tokens = torch.randint(0, 64, (12, run.plan.micro_batch_size, 9), device="cuda")
 
     def micro(i):
@@ -134,3 +138,37 @@ def test_fp16_overflow_is_skipped_on_the_device(name):
         torch.cuda.set_sync_debug_mode(0)
     assert ms.stepped and run.step == 1 and run.skipped_steps == 1
     assert all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("name", ["lars_merge", "adamw_clip", "lamb_clip_bf16"])
+def test_a_nan_loss_is_skipped_on_the_device_and_named_later(name):
+    """nan_policy on CUDA: the optimizer skips the step on the GPU, no host sync inside
+    the step; `stop` raises once the flag is looked at (`run.stats` waits for it)."""
+    from bigbatch.errors import NonFiniteLossError
+
+    torch.manual_seed(0)
+    model = Tiny()
+    run = prepare(model, _strategy(CASES[name]), total_steps=20,
+                  world=World(device=torch.device("cuda")))
+    assert run.nan_check_on_device
+    tokens = torch.randint(0, 64, (8, run.plan.micro_batch_size, 9), device="cuda")
+
+    def step(i, bad=False):
+        for j in range(run.k_steps):
+            x, y = tokens[i * run.k_steps + j, :, :-1], tokens[i * run.k_steps + j, :, 1:]
+            with run.micro_step() as ms:
+                loss = F.cross_entropy(run.model(x).float().flatten(0, 1), y.flatten())
+                ms.backward(loss * float("nan") if bad and j == 0 else loss)
+
+    step(0)
+    torch.cuda.synchronize()
+    before = [p.detach().clone() for p in model.parameters()]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(1, bad=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for a, p in zip(before, model.parameters(), strict=True):
+        assert torch.equal(a, p.detach())
+    with pytest.raises(NonFiniteLossError, match="non-finite loss at optimizer step 2 "):
+        _ = run.stats

@@ -86,8 +86,10 @@ def run_lr_find_command(args: argparse.Namespace) -> int:
                           f"set ({len(task.train_set)} samples)")
     seed_everything(args.seed)
     world = World()
+    # The sweep stops at a diverging loss itself: no nan_policy.
     run = prepare(task.build_model(model_name), strategy, total_steps=args.steps, world=world,
-                  plan=plan, steps_per_epoch=max(1, len(task.train_set) // plan.global_batch_size))
+                  plan=plan, steps_per_epoch=max(1, len(task.train_set) // plan.global_batch_size),
+                  nan_policy=None)
     sampler = GlobalBatchSampler(len(task.train_set), plan.global_batch_size,
                                  plan.micro_batch_size, 1, 0, args.seed)
 

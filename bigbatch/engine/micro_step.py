@@ -26,13 +26,14 @@ class MicroStep:
     """
 
     __slots__ = ("_window", "_scaler", "_autocast", "_loss_parallel", "_local_sgd", "_timing",
-                 "_finish", "_skip", "_add_time", "_contexts", "is_last", "stepped", "skipped",
-                 "_called", "_t0")
+                 "_finish", "_skip", "_add_time", "_check", "_contexts", "is_last", "stepped",
+                 "skipped", "_called", "_t0")
 
     def __init__(self, window: MergeWindow, *, scaler: Any, autocast: tuple[str, Any] | None,
                  loss_parallel: bool, local_sgd: Any, timing: Any,
                  finish: Callable[[float], bool], skip: Callable[[], None],
-                 add_time: Callable[[float], None]) -> None:
+                 add_time: Callable[[float], None],
+                 check: Callable[[torch.Tensor, bool], bool] | None = None) -> None:
         self._window = window
         self._scaler = scaler
         self._autocast = autocast  # (device type, dtype) or None
@@ -40,13 +41,15 @@ class MicroStep:
         self._local_sgd = local_sgd
         self._timing = timing
         self._finish, self._skip, self._add_time = finish, skip, add_time
+        self._check = check  # nan_policy: True to skip the step instead of this backward
         self._contexts: list[Any] = []
         self.is_last = False
         """True on the k-th micro-step, the one that all-reduces and steps."""
         self.stepped = False
         """After the block: the optimizer stepped (False while merging, and on overflow)."""
         self.skipped = False
-        """After the block: the optimizer step was skipped (fp16 inf/nan gradients, `skip()`)."""
+        """After the block: the optimizer step was skipped (fp16 inf/nan gradients, a
+        non-finite loss under `nan_policy=skip`, `skip()`)."""
         self._called = False
         self._t0 = 0.0
 
@@ -68,10 +71,15 @@ class MicroStep:
         """Backpropagate this micro-batch's loss with the strategy's scaling.
 
         `loss` is a mean over the micro-batch, or, with `count`, a sum over
-        `count` items (the merged step then divides by the total count).
+        `count` items (the merged step then divides by the total count). Under the run's
+        `nan_policy` a non-finite loss raises `NonFiniteLossError` here or has the step
+        skipped (`ms.skipped`) on its last micro-step.
         """
         if self._called:
             raise RuntimeError("ms.backward() was called twice in one micro-step")
+        if self._check is not None and self._check(loss, self.is_last):
+            self.skip()
+            return
         self._called = True
         mult = self._window.loss_multiplier(count)
         if self._local_sgd is not None:  # adaptive local SGD's interval follows the loss

@@ -19,6 +19,7 @@ from bigbatch.config.parallelism import check_pipeline_plan, degrees
 from bigbatch.engine import adaptive as _adaptive
 from bigbatch.engine import policies as _policies
 from bigbatch.engine.amp import LossScaler, amp_dtype
+from bigbatch.engine.nonfinite import check_policy
 from bigbatch.engine.optimizer import build_optimizer, weight_decays
 from bigbatch.engine.parallelize import parallelize
 from bigbatch.engine.recompute import check_recompute
@@ -37,7 +38,7 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
             tp_plan: Any = None, pipeline_layers: Any = None,
             optimizer: torch.optim.Optimizer | None = None,
             policies: list[Any] | None = None, model_plan: Any = None,
-            samples_per_epoch: int | None = None) -> Run:
+            samples_per_epoch: int | None = None, nan_policy: str | None = "stop") -> Run:
     """Apply `strategy` to `model` and return the `Run` that drives the training loop.
 
     `total_steps` and `steps_per_epoch` count optimizer steps (one per global
@@ -78,9 +79,19 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
 
     `policies`: `bigbatch.Policy` objects, or names as in ``[adaptive] policies`` (added
     to `run.strategy`), run after those of the strategy (`run.policies`).
+
+    `nan_policy`: what a non-finite loss given to `ms.backward` does, as `bigbatch train
+    --nan-policy`: ``"stop"`` (default) raises `bigbatch.errors.NonFiniteLossError` naming
+    the optimizer step, before that step touches a weight; ``"skip"`` skips the step
+    (`ms.skipped`, counted in `run.nonfinite_skipped_steps`) and raises after
+    `bigbatch.engine.nonfinite.MAX_NONFINITE_SKIPS` consecutive ones; None turns the check
+    off. fp16 runs leave it to the loss scaler, and `[pipeline]` runs have none. On CUDA
+    the check may run on the device and raise a few steps late (`bigbatch.engine.nonfinite`).
     """
     from bigbatch.config.schedules import Schedule
 
+    if nan_policy is not None:
+        check_policy(nan_policy)
     world = world if world is not None else World.from_env()
     model_plan = model_plan if model_plan is not None else ModelPlan()
     tp_plan = tp_plan if tp_plan is not None else model_plan.tp_plan
@@ -181,7 +192,7 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
               track_stats=track_stats, total_steps=total_steps,
               measure_first=bool(local_grad_norm) and not world.is_distributed,
               unit_batch_size=_adaptive.unit_of(strategy, plan), mesh=mesh,
-              loss_parallel=loss_parallel, pipeline=pipeline)
+              loss_parallel=loss_parallel, pipeline=pipeline, nan_policy=nan_policy)
     if comm is not None and hasattr(comm.inner_state, "grad_factor"):
         comm.inner_state.grad_factor = functools.partial(run.window.grad_factor,
                                                          mesh.data_degree)

@@ -25,6 +25,8 @@ from bigbatch.engine.clock import ScheduleClock
 from bigbatch.engine.grad_info import GradInfo, grad_info
 from bigbatch.engine.merge import MergeWindow
 from bigbatch.engine.micro_step import MicroStep
+from bigbatch.engine.nonfinite import LossGuard
+from bigbatch.errors import NonFiniteLossError
 from bigbatch.parallel.data_parallel import CommState
 from bigbatch.parallel.mesh import ParallelMesh
 from bigbatch.parallel.world import World, all_reduce_sum, teardown
@@ -59,7 +61,8 @@ class Run:
                  comm: CommState | None, owns_group: bool, track_stats: bool,
                  measure_first: bool = False, total_steps: int | None = None,
                  unit_batch_size: int | None = None, mesh: ParallelMesh | None = None,
-                 loss_parallel: bool = False, pipeline: Any = None) -> None:
+                 loss_parallel: bool = False, pipeline: Any = None,
+                 nan_policy: str | None = "stop") -> None:
         self.module = module
         """The user's model (unwrapped): save and load its state_dict."""
         self.model = model
@@ -136,6 +139,20 @@ class Run:
         self._owns_group = owns_group
         self._step_time = 0.0
         self._grad_norm: torch.Tensor | None = None
+        self.nan_guard: LossGuard | None = None
+        """`nan_policy` (`bigbatch.engine.nonfinite`): watches the losses of fp32/bf16 runs
+        (fp16's loss scaler skips a non-finite step itself); None when off."""
+        if nan_policy is not None and scaler is None and pipeline is None:
+            self.nan_guard = self.state_objects["nonfinite"] = LossGuard(
+                nan_policy, world.device, distributed=world.is_distributed)
+        self.nan_check_on_device = (
+            world.device.type == "cuda" and _step.takes_overflow_flag(optimizer)
+            and (comm is None or comm.state_dict() is None))
+        """Check the loss on the device (`bigbatch.engine.nonfinite`): the optimizer skips a
+        non-finite step there and the flag is read once it has landed, never waited for
+        inside a step. Set on CUDA with an optimizer that takes the overflow flag and no
+        comm hook with memory; not while gradient hooks or local SGD run. Else the flag is
+        read at each step's last micro-step (one host read)."""
         if track_stats and hasattr(optimizer, "track_trust_ratios"):
             optimizer.track_trust_ratios = True
 
@@ -143,6 +160,15 @@ class Run:
     schedule = _delegate("clock", "schedule", "`Schedule` in force: `schedule.lr(p)` at position p.")
     step = _delegate("clock", "step", "Optimizer steps taken (skipped overflow steps excluded).")
     skipped_steps = _delegate("clock", "skipped_steps", "Steps skipped for inf/nan gradients.")
+
+    @property
+    def nonfinite_skipped_steps(self) -> int:
+        """Optimizer steps skipped for a non-finite loss under `nan_policy="skip"` (waits
+        for the flags still on their way; see `nan_check_on_device`)."""
+        if self.nan_guard is None:
+            return 0
+        self.nan_guard.check()
+        return self.nan_guard.skipped
     progress = _delegate("clock", "progress", "Where the schedule is read.")
     progress_rate = _delegate("clock", "progress_rate", "Schedule units per step taken.")
     total_steps = _delegate("clock", "total_steps", "Length in schedule units.")
@@ -186,7 +212,23 @@ class Run:
         return MicroStep(self.window, scaler=self.scaler, loss_parallel=self._loss_parallel,
                          autocast=None if dtype is None else (self.world.device.type, dtype),
                          local_sgd=self.local_sgd, timing=self.timing, finish=self._finish_step,
-                         skip=self.skip_step, add_time=self._add_step_time)
+                         skip=self.skip_step, add_time=self._add_step_time,
+                         check=self._check_loss if self.nan_guard is not None else None)
+
+    def _nan_lazy(self) -> bool:
+        return self.nan_check_on_device and not self.grad_hooks and self.local_sgd is None
+
+    def _check_loss(self, loss: torch.Tensor, is_last: bool) -> bool:
+        """`nan_policy` on one micro-step's loss: True to skip the optimizer step (read
+        before the last backward, unless the check runs on the device)."""
+        self.nan_guard.observe(loss)
+        if not is_last or self._nan_lazy():
+            return False
+        try:
+            return self.nan_guard.decide(self.step + 1)
+        except NonFiniteLossError:
+            self.skip_step()  # the run stays at a step boundary, its gradients dropped
+            raise
 
     def pipeline_step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None,
                       loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, Any]]
@@ -278,6 +320,8 @@ class Run:
         self.optimizer.zero_grad(set_to_none=True)
         self.window.reset()
         self._step_time = 0.0
+        if self.nan_guard is not None:
+            self.nan_guard.reset()
 
     def _finish_step(self, t0: float) -> bool:
         """The window's gradients are reduced: the step's stages in order. True if skipped.
@@ -285,6 +329,9 @@ class Run:
         `t0`: when the last micro-step's block was entered (step timing).
         """
         window, params = self.window, self.params
+        # nan_policy on the device: the optimizer skips a non-finite step like an overflow.
+        nan_flag = self.nan_guard.take(self.step + 1) \
+            if self.nan_guard is not None and self._nan_lazy() else None
         local_count = window.count
         total_count = window.total_count() if window.mode == "count" else local_count
         if self._tp_params:
@@ -292,6 +339,8 @@ class Run:
         _step.normalize(window, params, self.mesh.data_degree)
         found_inf = _step.unscale(self.scaler, self.optimizer)
         flag, skipped = _step.overflow(found_inf, self.device_skip and not self.grad_hooks)
+        if nan_flag is not None:
+            flag = nan_flag
         # Taken every step: the comm hook starts a new sum once it is taken.
         local_raw = self._comm.take_local_sq() if self._comm is not None else None
         if not skipped:
@@ -343,7 +392,7 @@ class Run:
     def stats(self) -> dict[str, float]:
         """Numbers for logging, read on access (a device sync on GPU for norms): step, lr,
         skipped steps, loss scale, grad norm, trust ratios and the helpers' `stats()`."""
-        helpers = list(self.state_objects.values())
+        helpers = list(self.state_objects.values())  # `nan_guard` waits for its flags
         if self._comm is not None:
             helpers.append(self._comm.inner_state)
         return _run_state.stats(self.clock, self.scaler, self._grad_norm, self.optimizer, helpers)

@@ -116,8 +116,9 @@ def find_peak_lr(task: Any, model_name: str, initial: dict[str, torch.Tensor], s
     flat = dataclasses.replace(b, warmup_steps=0, warmup_epochs=0.0, decay="none",
                                schedule="fixed", start_batch_size=None)
     sweep_strategy = dataclasses.replace(strategy, batch=flat, adaptive=AdaptiveConfig())
+    # A diverging loss is what the sweep looks for (it stops there itself): no nan_policy.
     run = prepare(model, sweep_strategy, total_steps=strategy.lr_find_steps,
-                  steps_per_epoch=steps_per_epoch, world=world, plan=plan)
+                  steps_per_epoch=steps_per_epoch, world=world, plan=plan, nan_policy=None)
     sampler = GlobalBatchSampler(len(task.train_set), plan.global_batch_size,
                                  plan.micro_batch_size, run.mesh.data_degree,
                                  run.mesh.data_rank, seed)

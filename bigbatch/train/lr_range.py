@@ -18,6 +18,7 @@ It trains the run's model: rebuild (or reload) the model before the real run
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bigbatch.errors import NonFiniteLossError
 from bigbatch.train.lr_suggest import DIVERGE, SAFETY, diverged, suggest
 
 __all__ = ["LRFind", "lr_find"]
@@ -112,13 +114,20 @@ def lr_find(run: Any, batches: Iterable[Any],
         has_batch, _ = _over_workers(run, batch is not _END, 0.0)
         if not has_batch:
             break
-        _, loss = _over_workers(run, True, float(step(run, batch)))
+        try:
+            value = float(step(run, batch))
+        except NonFiniteLossError:  # the run's nan_policy met the divergence first
+            value = math.nan
+        _, loss = _over_workers(run, True, value)
         out.lrs.append(lr)
         out.losses.append(loss)
         if diverged(out.losses, diverge) is not None:
             out.diverged_at = lr
             break
     run.lr_scale = 1.0
+    if getattr(run, "nan_guard", None) is not None:  # a check still on the device is over
+        with contextlib.suppress(NonFiniteLossError):
+            run.nan_guard.check()
     found = suggest(out.lrs, out.losses, safety=safety, diverge=diverge)
     out.suggested_lr, out.reason, out.minimum_lr = found.lr, found.reason, found.minimum_lr
     out.smoothed = list(found.smoothed) if smoothing is None else _ema(out.losses, smoothing)

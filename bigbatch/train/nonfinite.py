@@ -7,15 +7,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bigbatch.engine.nonfinite import NAN_POLICIES
+from bigbatch.errors import NonFiniteLossError
 from bigbatch.parallel.world import World
 
 __all__ = ["NAN_POLICIES", "NonFiniteGuard", "NonFiniteLossError"]
-
-NAN_POLICIES = ("stop", "skip")
-
-
-class NonFiniteLossError(RuntimeError):
-    """Training met a non-finite loss it may not skip (`nan_policy`); the CLI exits 1."""
 
 
 class NonFiniteGuard:
