@@ -212,13 +212,20 @@ def _quiet_single_process() -> Iterator[None]:
 
 def dcp_load(state: dict[str, Any], folder: str | os.PathLike) -> None:
     """`dcp.load` of `folder` into `state` through `SafeReader` and `SafePlanner`
-    (collective when a process group is up)."""
+    (collective when a process group is up). A refusal inside DCP comes out as the
+    `UntrustedFileError` it was, on every rank; DCP's other failures as DCP raised them."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    with _quiet_single_process():
-        dcp.load(state, storage_reader=SafeReader(folder), planner=SafePlanner(),
-                 no_dist=not dist.is_initialized())
+    try:
+        with _quiet_single_process():
+            dcp.load(state, storage_reader=SafeReader(folder), planner=SafePlanner(),
+                     no_dist=not dist.is_initialized())
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        refusal = untrusted_cause(e)
+        if refusal is None:
+            raise
+        raise refusal from None
 
 
 def untrusted_cause(e: BaseException) -> UntrustedFileError | None:

@@ -251,12 +251,7 @@ def load_state(run: Any, directory: str | os.PathLike) -> dict[str, Any]:
     """Collective: restore what `save_state` wrote into `run`; returns the `extra` dict.
     Every file is read as tensors and plain data only (`bigbatch.engine.safe_load`): one
     that holds anything else raises `UntrustedFileError` before the run is changed."""
-    from bigbatch.engine.safe_load import (
-        dcp_load,
-        load_plain,
-        read_dcp_metadata,
-        untrusted_cause,
-    )
+    from bigbatch.engine.safe_load import dcp_load, load_plain, read_dcp_metadata
 
     path = Path(directory)
     where = f"run.load_state({str(path)!r})"
@@ -293,13 +288,7 @@ def load_state(run: Any, directory: str | os.PathLike) -> dict[str, Any]:
     _refuse_together(run, refused)
     if sharded:
         state = dcp_state(run.module, run.optimizer)
-        try:
-            dcp_load(state, path / "model")
-        except CheckpointException as e:
-            refusal = untrusted_cause(e)
-            if refusal is None:
-                raise
-            raise refusal from None
+        dcp_load(state, path / "model")
         set_dcp_state(run.module, run.optimizer, state)
     else:
         run.module.load_state_dict(model)

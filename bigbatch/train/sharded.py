@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bigbatch.engine.safe_load import dcp_load, read_dcp_metadata, untrusted_cause
+from bigbatch.engine.safe_load import dcp_load, read_dcp_metadata
 from bigbatch.engine.saving import dcp_state, failure_reason, set_dcp_state
 from bigbatch.errors import ConfigError, UntrustedFileError
 from bigbatch.train.manifest import digest, file_problem, shard_entries, share
@@ -207,9 +207,6 @@ def load_sharded(payload: str | os.PathLike, model: nn.Module,
     try:
         dcp_load(state, folder)
     except (CheckpointException, OSError, RuntimeError) as e:
-        refusal = untrusted_cause(e)
-        if refusal is not None:  # a shard's non-tensor entry held a pickled object
-            raise refusal from None
         why = failure_reason(e)
         raise ShardedStateError(f"loading checkpoint {folder.name}/ failed ({why})", why,
                                 folder) from None
