@@ -26,6 +26,7 @@ from tests._cli import (
     tmpfs,
     wait_for_checkpoint,
 )
+from tests._sockets import is_loopback, listening
 
 # 300 steps of a few ms with a checkpoint every 20 (and at each 12-step epoch's end): a
 # signal sent on the first checkpoint lands mid-run.
@@ -108,12 +109,16 @@ def test_sigterm_to_the_launcher_stops_every_worker_and_resume_is_exact(tmp_path
 
 def test_a_second_job_is_refused_and_a_killed_launcher_takes_its_workers_along(
         tmp_path, cache):
+    """And while it runs, the single-node job listens on loopback only."""
     out = tmp_path / "run"
     long = ["train", "--nproc", "2", *TINY, "--steps", "1000000", "--checkpoint-every", "10"]
     with job([*long, "--out", str(out)], cache) as proc:
         wait_for_checkpoint(out, proc)
         workers = children(proc.pid)
         assert len(workers) == 2, workers
+        held = listening(proc.pid)  # torchrun's two stores and each worker's gloo socket
+        assert len(held.get(proc.pid, [])) == 2 and len(held) == 3, held
+        assert all(is_loopback(a) for addresses in held.values() for a in addresses), held
         holder = f"(pid {proc.pid} on {socket.gethostname()})"
         p = run_cli(["train", "--nproc", "1", *TINY, "--steps", "1000000", "--out", str(out),
                      "--resume"], cache)  # a second job: refused at once, nothing touched

@@ -9,6 +9,9 @@ SIGKILL); the workers stop after their current step with a checkpoint
 kernel's parent-death signal (`bind_to_launcher`), so a SIGKILL to `bigbatch` ends
 them too. The exit status is the signal's (128 + n) or the first failed worker's.
 
+Nothing listens beyond the machine unless the job spans machines: a c10d rendezvous
+runs with its stores bound to one address (`bigbatch.cli.rendezvous`).
+
 Rendezvous is bounded: torchrun gets `join_timeout` and `read_timeout` from
 `--timeout`, and a watchdog ends a launcher whose workers have not started
 within that plus `GRACE_S` (a `--rdzv-endpoint` on a port that another program
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import ipaddress
 import logging
 import os
 import select
@@ -54,18 +58,20 @@ def bind_to_launcher() -> None:
         os._exit(1)  # orphaned before the death signal was armed
 
 
-def check_endpoint(endpoint: str, timeout: float) -> None:
-    """`--rdzv-endpoint HOST:PORT` names a port and a host that resolves (within `timeout`)."""
+def check_endpoint(endpoint: str, timeout: float, several_nodes: bool = False) -> None:
+    """`--rdzv-endpoint HOST:PORT` names a port and a host that resolves (within `timeout`);
+    with `several_nodes`, a host *name* that resolves to loopback here is refused (the
+    rendezvous store listens on that address: the other nodes could not reach it)."""
     host, sep, port = endpoint.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536 or not host:
         raise ConfigError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT with a port in "
                           "1..65535")
-    found: list[BaseException | None] = []
+    found: list[BaseException | list[str]] = []
 
     def resolve() -> None:
         try:
-            socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
-            found.append(None)
+            infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+            found.append([info[4][0] for info in infos])
         except OSError as e:
             found.append(e)
 
@@ -75,9 +81,27 @@ def check_endpoint(endpoint: str, timeout: float) -> None:
     if not found:
         raise ConfigError(f"--rdzv-endpoint {endpoint}: host {host} did not resolve within "
                           f"{min(timeout, 30.0):g} s")
-    if found[0] is not None:
+    if isinstance(found[0], BaseException):
         why = getattr(found[0], "strerror", None) or found[0]
         raise ConfigError(f"--rdzv-endpoint {endpoint}: host {host} does not resolve ({why})")
+    if several_nodes and _names_loopback(host.strip("[]"), found[0]):
+        raise ConfigError(f"--rdzv-endpoint {endpoint}: {host} resolves to {found[0][0]} "
+                          "(loopback) on this machine, where the rendezvous listens, and the "
+                          "other nodes cannot reach it; give this machine's address on the "
+                          f"network the nodes share, e.g. --rdzv-endpoint 10.0.0.1:{port}")
+
+
+def _names_loopback(host: str, addresses: list[str]) -> bool:
+    """True for a host name (not an address, not `localhost`) whose addresses are loopback:
+    the `127.0.1.1 hostname` line of Debian's /etc/hosts."""
+    try:
+        ipaddress.ip_address(host)
+        return False
+    except ValueError:
+        pass
+    if host.lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
+        return False
+    return all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
 
 
 def _has_children() -> bool | None:
@@ -164,10 +188,13 @@ def run_torchrun(torchrun_argv: list[str], *, command: str, timeout: float,
         RendezvousTimeoutError,
     )
 
+    from bigbatch.cli.rendezvous import bind_rendezvous
     from bigbatch.train.signals import exit_status
 
     args = torchrun.get_args_parser().parse_args(torchrun_argv)
     os.environ.update(env or {})
+    for name, value in bind_rendezvous(args).items():  # the user's own setting wins
+        os.environ.setdefault(name, value)
     os.environ[LAUNCHER_ENV] = str(os.getpid())
     _quiet_torchrun()
     where = f" at {endpoint}" if endpoint else ""

@@ -272,7 +272,8 @@ def _launch(args: argparse.Namespace, argv: list[str], config, strategy) -> int:
     if args.rdzv_endpoint is not None:
         from bigbatch.cli.launch import check_endpoint
 
-        check_endpoint(args.rdzv_endpoint, strategy.data_parallel.timeout_s)
+        check_endpoint(args.rdzv_endpoint, strategy.data_parallel.timeout_s,
+                       several_nodes=nnodes not in (None, "1", "1:1"))
     # Batch and schedule mistakes: now, not per worker (unknown with an elastic MIN:MAX).
     # Across nodes the output directory's state is global rank 0's to check (under its
     # lock): another node may already have started writing it.
