@@ -5,7 +5,8 @@ agent (`torch.distributed.run`) inside the `bigbatch` process rather than as a
 child of it. A signal to `bigbatch` is then a signal to the agent, which passes
 SIGTERM, SIGINT and SIGHUP on to every worker and waits for them (30 s, then
 SIGKILL); the workers stop after their current step with a checkpoint
-(`bigbatch.train.signals`). Each worker binds its life to the launcher with the
+(`bigbatch.train.signals`). A failed worker hands its line to the launcher, which prints
+one for the job (`bigbatch.cli.failure_report`). Each worker binds its life to the launcher with the
 kernel's parent-death signal (`bind_to_launcher`), so a SIGKILL to `bigbatch` ends
 them too. The exit status is the signal's (128 + n) or the first failed worker's.
 
@@ -196,6 +197,8 @@ def run_torchrun(torchrun_argv: list[str], *, command: str, timeout: float,
     for name, value in bind_rendezvous(args).items():  # the user's own setting wins
         os.environ.setdefault(name, value)
     os.environ[LAUNCHER_ENV] = str(os.getpid())
+    if "LOGLEVEL" not in os.environ:  # c10d's C++ warnings repeat the one line we print
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     _quiet_torchrun()
     where = f" at {endpoint}" if endpoint else ""
     late = (f"rendezvous{where} did not complete within {timeout:g} s (--timeout); is another "
@@ -210,13 +213,16 @@ def run_torchrun(torchrun_argv: list[str], *, command: str, timeout: float,
     except SignalException as e:  # the workers stopped on it (and said so)
         return exit_status(e.sigval)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        if failure.exitcode >= 0:  # the worker printed why
-            return failure.exitcode
-        print(f"bigbatch {command}: error: worker rank {rank} was killed by "
-              f"{failure.signal_name()}; continue from the last checkpoint with --resume",
-              file=sys.stderr)
-        return 1
+        from bigbatch.cli.failure_report import choose
+
+        line, status, killed = choose(e.failures)  # the workers handed their lines here
+        if killed is not None:
+            failure = e.failures[killed]
+            line = (f"bigbatch {command}: error: worker rank {killed} was killed by "
+                    f"{failure.signal_name()}; continue from the last checkpoint with --resume")
+        if line is not None:
+            print(line, file=sys.stderr)
+        return status
     except RendezvousTimeoutError:
         print(f"bigbatch {command}: error: {late}", file=sys.stderr)
         return 1

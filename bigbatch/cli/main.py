@@ -25,6 +25,7 @@ import sys
 import time
 
 from bigbatch.cli.argtypes import OneLineParser
+from bigbatch.cli.failure_report import ERROR, PEER, PEER_NAMED, fail
 from bigbatch.cli.gns import GNS_DESCRIPTION, GNS_HELP
 from bigbatch.cli.lr_find import LR_FIND_DESCRIPTION, LR_FIND_HELP
 from bigbatch.cli.monitor import MONITOR_DESCRIPTION, MONITOR_HELP, add_monitor_arguments
@@ -61,6 +62,42 @@ def _setup_logging() -> None:
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
 
+
+
+def _run_failure(command: str, e: RuntimeError, strategy) -> tuple[str, int, bool] | None:
+    """The line for a run that failed with `e`, its kind (`bigbatch.cli.failure_report`)
+    and whether this rank is the one to print it where each prints its own; None for an
+    error we cannot explain (its traceback is the report)."""
+    from bigbatch.errors import PipelineError
+    from bigbatch.parallel.world import is_peer_failure
+    from bigbatch.train.nonfinite import NonFiniteLossError
+
+    if isinstance(e, NonFiniteLossError | PipelineError):
+        return str(e), ERROR, True
+    from bigbatch.cli.failure_report import out_of_memory
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    oom = out_of_memory(e, strategy, world_size)
+    if oom is not None:
+        return oom, ERROR, True
+    if command == "train" and under_launcher() and is_peer_failure(e):
+        from bigbatch.parallel.roll_call import failed_in, roll_call
+
+        timeout = strategy.data_parallel.timeout_s if strategy is not None else 300.0
+        where = failed_in(e)
+        where = f" in {where}" if where else ""
+        rank = int(os.environ.get("RANK", "0") or 0)
+        missing = roll_call(rank, world_size)
+        if not missing:
+            return (f"a peer did not answer within data_parallel.timeout_s={timeout:g}s{where} "
+                    "(dead or hung worker)"), PEER, True
+        answered = set(range(world_size)) - {r for r, _ in missing}
+        ranks = ", ".join(f"{r} (host {h})" if h else str(r) for r, h in missing)
+        return (f"worker rank{'s' if len(missing) > 1 else ''} {ranks} did not answer within "
+                f"data_parallel.timeout_s={timeout:g}s{where} (hung or stopped); continue "
+                "from the last checkpoint with --resume, or give a slow worker more time "
+                "with --timeout"), PEER_NAMED, rank == min(answered)
+    return None
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -154,26 +191,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bigbatch {args.command}: {e}", file=sys.stderr)
         return 0 if under_launcher() and int(os.environ.get("WORLD_SIZE", "1")) > 1 else e.status
     except ConfigError as e:
-        print(f"bigbatch {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return fail(f"bigbatch {args.command}: error: {e}", EXIT_USAGE)
     except Stopped as e:
         if os.environ.get("RANK", "0") == "0":  # every worker stopped alike: one says so
             print(f"bigbatch {args.command}: {e}", file=sys.stderr)
         return exit_status(e.signum)
     except RuntimeError as e:  # exit 1: the run failed, not its input
-        from bigbatch.errors import PipelineError
-        from bigbatch.parallel.world import is_peer_failure
-        from bigbatch.train.nonfinite import NonFiniteLossError
-
-        if isinstance(e, NonFiniteLossError | PipelineError):
-            print(f"bigbatch {args.command}: error: {e}", file=sys.stderr)
-        elif args.command == "train" and under_launcher() and is_peer_failure(e):
-            timeout = strategy.data_parallel.timeout_s if strategy is not None else 300.0
-            print(f"bigbatch train: error: a peer did not answer within data_parallel.timeout_s="
-                  f"{timeout:g}s (dead or hung worker)", file=sys.stderr)
-        else:
+        found = _run_failure(args.command, e, strategy)
+        if found is None:
             raise
-        return 1
+        line, kind, speaks = found
+        return fail(f"bigbatch {args.command}: error: {line}", 1, kind, speaks)
     except OSError as e:  # exit 1: a full disk, a lost mount, damaged files (not a usage mistake)
         from bigbatch.train.checkpoint import WriteError
 
@@ -181,8 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1  # every worker raised it alike: rank 0 says it
         text = str(e) if isinstance(e, WriteError) or not e.strerror else (
             f"{e.strerror}: {e.filename}" if e.filename else e.strerror)
-        print(f"bigbatch {args.command}: error: {text}", file=sys.stderr)
-        return 1
+        return fail(f"bigbatch {args.command}: error: {text}")
     except KeyboardInterrupt:  # a second Ctrl-C: at once, without the stop's checkpoint
         if own_process:  # a third Ctrl-C cuts short neither this line nor the exit
             signal.signal(signal.SIGINT, signal.SIG_IGN)

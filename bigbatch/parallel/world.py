@@ -136,6 +136,10 @@ def init_distributed(config: Any = None, world: World | None = None) -> World:
         kwargs["init_method"] = "env://"
     dist.init_process_group(backend=backend, rank=world.rank, world_size=world.world_size,
                             timeout=timeout, **kwargs)
+    if store is not None:  # for a roll call to name this rank's host
+        from bigbatch.parallel.roll_call import announce
+
+        announce(store, world.rank)
     return world
 
 
@@ -147,12 +151,9 @@ def _restart_store(world: World, timeout: datetime.timedelta) -> Any:
     fail to connect ("Connection refused"). Prefixing by TORCHELASTIC_RESTART_COUNT keeps
     each attempt apart.
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          world.world_size, is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"bigbatch/attempt_{attempt}/", store)
+    from bigbatch.parallel.roll_call import agent_store
+
+    return agent_store(timeout)
 
 
 def teardown() -> None:
