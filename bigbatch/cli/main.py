@@ -69,10 +69,11 @@ def _run_failure(command: str, e: RuntimeError, strategy) -> tuple[str, int, boo
     and whether this rank is the one to print it where each prints its own; None for an
     error we cannot explain (its traceback is the report)."""
     from bigbatch.errors import PipelineError
+    from bigbatch.parallel.data_parallel import UnusedParametersError
     from bigbatch.parallel.world import is_peer_failure
     from bigbatch.train.nonfinite import NonFiniteLossError
 
-    if isinstance(e, NonFiniteLossError | PipelineError):
+    if isinstance(e, NonFiniteLossError | PipelineError | UnusedParametersError):
         return str(e), ERROR, True
     from bigbatch.cli.failure_report import out_of_memory
 

@@ -266,6 +266,7 @@ def _launch(args: argparse.Namespace, argv: list[str], config, strategy) -> int:
     from bigbatch.cli.launch import run_torchrun
     from bigbatch.train.lock import LOCKED_ENV, hold
 
+    _check_gpus(args.nproc, strategy)
     nnodes = args.nnodes
     if nnodes is not None and not all(p.isdigit() and int(p) >= 1 for p in nnodes.split(":")):
         raise ConfigError(f"--nnodes={nnodes!r}: expected N or MIN:MAX with integers >= 1")
@@ -294,6 +295,21 @@ def _launch(args: argparse.Namespace, argv: list[str], config, strategy) -> int:
     with hold(config.out):
         env[LOCKED_ENV] = str(Path(config.out).resolve())
         return run_torchrun(_torchrun_argv(args, argv, timeout), env=env, **run)
+
+
+def _check_gpus(nproc: int, strategy: Any) -> None:
+    """NCCL gives each worker a GPU of its own: more workers than GPUs is refused here, not
+    after the rendezvous (two ranks on one GPU fail in NCCL's first collective)."""
+    import torch
+
+    if not torch.cuda.is_available() or strategy.data_parallel.backend == "gloo":
+        return
+    gpus = torch.cuda.device_count()
+    if nproc > gpus:
+        raise ConfigError(f"--nproc {nproc} starts {nproc} workers on {gpus} GPU(s), and NCCL "
+                          f"(data_parallel.backend={strategy.data_parallel.backend}) needs one "
+                          f"GPU per worker: use --nproc {gpus} (--nproc auto), or --set "
+                          "data_parallel.backend=gloo to let workers share GPUs (slower)")
 
 
 def _notes(args: argparse.Namespace, strategy: Any) -> None:

@@ -382,6 +382,13 @@ CONFLICTS: tuple[Conflict, ...] = (
       'data_parallel.reduce = "dgc" {reason}; {fix}', "applies momentum and weight decay "
       "inside its reduction and so builds its own optimizer", "drop prepare(optimizer=...)",
       {"dgc": {}}, Context(own_optimizer=True, distributed=True)),
+    C("unused-parameters-fsdp", "data_parallel.find_unused_parameters = true",
+      "sharding.stage = 2 or 3", lambda s, c: (s.data_parallel.find_unused_parameters
+                                              and s.sharding.enable and s.sharding.stage >= 2),
+      "{a} with {b}: {reason}; {fix}",
+      "FSDP2 reduces each parameter's gradient inside backward and has no pass for unused ones",
+      "use every parameter in forward on every rank, or sharding.stage = 1 (DDP)",
+      {"data_parallel": {"find_unused_parameters": True}, "sharding": {"stage": 3}}),
 )
 del C
 

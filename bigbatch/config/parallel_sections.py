@@ -34,6 +34,10 @@ class DataParallelConfig(_Section):
     PowerSGD needs >= 2: its error feedback starts from an uncompressed step)."""
     timeout_s: float = _f(300.0, gt=0, le=MAX_TIMEOUT_S)
     """Collective (and rendezvous) timeout in seconds, at most a week."""
+    find_unused_parameters: bool = _f(False)
+    """Let a step leave some parameters without a gradient on a worker (a branch one rank
+    does not take): DDP then walks each step's graph to find them (its
+    find_unused_parameters; slower). Off: such a step ends the run with a line naming them."""
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from bigbatch.errors import ConfigError
 
-__all__ = ["CommState", "check_reduce", "wrap_data_parallel"]
+__all__ = ["CommState", "DataParallel", "UnusedParametersError", "check_reduce", "reducer_names",
+           "unused_parameters_line", "wrap_data_parallel"]
 
 
 class CommState:
@@ -90,6 +92,59 @@ def check_reduce(reduce: str) -> None:
         _adasum_hook()
 
 
+class UnusedParametersError(RuntimeError):
+    """A step left parameters without a gradient on a worker, and DDP was not told to
+    expect it (`data_parallel.find_unused_parameters`)."""
+
+
+_UNFINISHED = "Expected to have finished reduction in the prior iteration"
+_INDICES = "Parameter indices which did not receive grad for rank "
+
+
+def reducer_names(module: nn.Module) -> list[str]:
+    """The names of `module`'s parameters in the order DDP's reducer numbers them: by
+    module, those that require grad, a shared one once."""
+    seen, names = set(), []
+    for prefix, sub in module.named_modules():
+        for name, p in sub.named_parameters(recurse=False):
+            if p.requires_grad and p not in seen:
+                seen.add(p)
+                names.append(f"{prefix}.{name}" if prefix else name)
+    return names
+
+
+def unused_parameters_line(module: nn.Module, text: str) -> str | None:
+    """One line for DDP's "did not receive grad" error (its parameters by name), else None."""
+    if _UNFINISHED not in text:
+        return None
+    rank, names = "?", []
+    if _INDICES in text:
+        rank, _, rest = text.split(_INDICES, 1)[1].partition(":")
+        order = reducer_names(module)
+        for tok in rest.strip().splitlines()[0].split() if rest.strip() else []:
+            if tok.isdigit() and int(tok) < len(order):
+                names.append(order[int(tok)])
+    which = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    what = f"parameter(s) {which}" if names else "some parameters"
+    return (f"{what} got no gradient on rank {rank.strip()} in a step (a part of the model "
+            "that worker did not use): --set data_parallel.find_unused_parameters=true lets "
+            "DDP expect it, or use every parameter in forward")
+
+
+class DataParallel(DistributedDataParallel):
+    """DDP whose error for parameters without a gradient names them (torch's gives their
+    indices unless TORCH_DISTRIBUTED_DEBUG is set)."""
+
+    def forward(self, *args, **kwargs):
+        try:
+            return super().forward(*args, **kwargs)
+        except RuntimeError as e:
+            line = unused_parameters_line(self.module, str(e))
+            if line is None:
+                raise
+            raise UnusedParametersError(line) from None
+
+
 def wrap_data_parallel(
     model: nn.Module, device: torch.device, dp: Any, measure_local: bool,
     inner: tuple[Callable, Any] | None = None,
@@ -101,12 +156,11 @@ def wrap_data_parallel(
     measurement, DDP keeps its built-in C++ all-reduce, the fastest path; otherwise one
     Python hook wraps the inner one.
     """
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    ddp = DDP(
+    ddp = DataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=float(dp.bucket_cap_mb),
+        find_unused_parameters=bool(getattr(dp, "find_unused_parameters", False)),
     )
     reduce = getattr(dp, "reduce", "mean")
     if inner is None and reduce == "mean" and not measure_local:
