@@ -32,6 +32,7 @@ import torch
 
 from bigbatch.engine.safe_load import check_plain
 from bigbatch.errors import ConfigError, SaveStateError, UntrustedFileError
+from bigbatch.parallel.random_state import numpy_state, numpy_tuple
 
 try:
     from torch.distributed.checkpoint.api import CheckpointException
@@ -75,11 +76,8 @@ def set_dcp_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
 def rng_state() -> dict:
     """This process's random-number generator states: torch (CPU and CUDA), numpy, python,
     as tensors and plain data (read back weights-only: `bigbatch.engine.safe_load`)."""
-    kind, key, pos, has_gauss, gauss = np.random.get_state()
     version, internal, gauss_next = random.getstate()
-    state = {"torch": torch.get_rng_state(),
-             "numpy": {"kind": str(kind), "key": torch.from_numpy(key.astype(np.int64)),
-                       "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)},
+    state = {"torch": torch.get_rng_state(), "numpy": numpy_state(np.random.get_state()),
              "python": [int(version), [int(x) for x in internal], gauss_next]}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -90,13 +88,7 @@ def set_rng_state(state: dict) -> None:
     """Restore what `rng_state()` returned (or, before RNG states were plain data, the
     tuples of numpy's and python's own getstate)."""
     torch.set_rng_state(state["torch"])
-    saved = state["numpy"]
-    if isinstance(saved, dict):
-        key = saved["key"]
-        key = key.numpy() if isinstance(key, torch.Tensor) else np.asarray(key)
-        saved = (saved["kind"], key.astype(np.uint32), int(saved["pos"]),
-                 int(saved["has_gauss"]), float(saved["gauss"]))
-    np.random.set_state(saved)
+    np.random.set_state(numpy_tuple(state["numpy"]))
     version, internal, gauss_next = state["python"]
     random.setstate((version, tuple(internal), gauss_next))
     if "cuda" in state and torch.cuda.is_available():

@@ -32,6 +32,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
 from bigbatch.config.comm import reduce_mode
+from bigbatch.parallel.random_state import numpy_state, numpy_tuple
 
 __all__ = ["DGC_OPTIMIZER", "DGCState", "dgc_hook", "hook_state_dict", "load_hook_state",
            "reduce_hook", "select_topk"]
@@ -237,11 +238,11 @@ def hook_state_dict(state: Any) -> dict[str, Any] | None:
     feedback is kept per DDP bucket, whose layout a new DDP rebuilds after its first step,
     so it restarts from zero. (DGC's state has its own `state_dict`.)"""
     if isinstance(state, powersgd.PowerSGDState):
-        return {"powersgd": {"iter": state.iter, "rng": state.rng.get_state()}}
+        return {"powersgd": {"iter": state.iter, "rng": numpy_state(state.rng.get_state())}}
     return None
 
 
 def load_hook_state(state: Any, saved: dict[str, Any]) -> None:
     if isinstance(state, powersgd.PowerSGDState) and "powersgd" in saved:
         state.iter = int(saved["powersgd"]["iter"])
-        state.rng.set_state(saved["powersgd"]["rng"])
+        state.rng.set_state(numpy_tuple(saved["powersgd"]["rng"]))
