@@ -37,3 +37,10 @@ class SaveStateError(OSError):
     """`run.save_state` failed on some rank (a full disk, a lost directory): every rank
     raises it, naming the rank and the reason; the previous state is kept and the partial
     one removed."""
+
+
+class UntrustedFileError(ConfigError):
+    """A file bigbatch was asked to read back is refused unread: it holds pickled objects
+    other than tensors and plain data (loading it could run code), or it is a checkpoint
+    with no manifest vouching for it (`--trust-checkpoint` / ``trust=True`` accepts that,
+    never the objects). The message names the file and what was refused."""

@@ -69,6 +69,10 @@ class TrainConfig:
     naming the step (`NonFiniteLossError`, exit 1), keeping the last good checkpoint; `skip`
     skips that optimizer step (counted as `nonfinite_skipped_steps`) and stops after
     `MAX_NONFINITE_SKIPS` consecutive ones."""
+    trust_checkpoint: bool = False
+    """On resume, accept a checkpoint that has no manifest (`--trust-checkpoint`): a save
+    cut short, or files copied without their ``.json``. Its payload is still read as
+    tensors and plain data only; a manifest that does not match is never accepted."""
 
     def __post_init__(self) -> None:
         if self.epochs is not None and self.steps is not None:

@@ -124,7 +124,8 @@ class _Trainer:
         strategy, warmup_note = fit_warmup(config, strategy, task, world.world_size)
         self.strategy = strategy
         self.model_name = task.check_model(config.model)
-        ckpt = load_training_checkpoint(resume_from) if resume_from is not None else None
+        ckpt = (load_training_checkpoint(resume_from, trust=config.trust_checkpoint)
+                if resume_from is not None else None)
         saved = ckpt["engine"].get("batch") if ckpt is not None else None
         plan, self.sampler, self.total_steps, spe = plan_run(
             config, strategy, task, world.world_size, world.rank, saved)
