@@ -202,3 +202,32 @@ def test_a_non_finite_loss_on_two_ranks_is_one_line(cache, tmp_path):
     lines = [line for line in p.stderr.splitlines() if "non-finite loss" in line]
     assert len(lines) == 1 and lines[0] == p.stderr.strip().splitlines()[-1], p.stderr[-3000:]
     assert "Traceback" not in p.stderr and "[W" not in p.stderr
+
+
+@pytest.mark.slow  # ~45 s: waits out the join timeout and torchrun's 30 s SIGTERM grace
+def test_a_rank_that_never_joins_is_named_without_cpp_warnings(cache, tmp_path):
+    import signal
+    import time
+
+    from tests._cli import job, worker_pid
+
+    out = tmp_path / "run"
+    args = ["train", *TINY, "--nproc", "2", "--steps", "40", "--timeout", "3", "--out", str(out)]
+    with job(args, cache) as proc:
+        deadline, victim = time.monotonic() + 60, None
+        while victim is None and time.monotonic() < deadline and proc.poll() is None:
+            victim = worker_pid(proc.pid, rank=1)  # stopped before it can join the group
+            time.sleep(0.005)
+        assert victim is not None, proc.stderr.read()
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            _, err = proc.communicate(timeout=120)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
+    assert proc.returncode == 1, err[-3000:]
+    lines = [line for line in err.splitlines() if "did not answer" in line]
+    assert lines == [err.strip().splitlines()[-1]], err[-3000:]
+    assert lines[0].startswith("bigbatch train: error: worker rank 1 did not answer within "
+                               "data_parallel.timeout_s=3s in init_process_group"), err[-3000:]
+    assert "[W" not in err and "c10d" not in err and "Traceback" not in err, err[-3000:]
