@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 # "module:attr" where a function shares its module's name.
 _WHERE = {
     "LARS": "bigbatch.optim", "LAMB": "bigbatch.optim", "param_groups": "bigbatch.optim",
+    "Muon": "bigbatch.optim", "muon_param_groups": "bigbatch.optim",
     "Strategy": "bigbatch.config", "BatchPlan": "bigbatch.config",
     "Schedule": "bigbatch.config", "scale_lr": "bigbatch.config",
     "prepare": "bigbatch.engine", "Run": "bigbatch.engine",
@@ -43,7 +44,7 @@ _WHERE = {
 }
 
 __all__ = [
-    "LARS", "LAMB", "param_groups",
+    "LARS", "LAMB", "Muon", "param_groups", "muon_param_groups",
     "Strategy", "BatchPlan", "Schedule", "scale_lr",
     "prepare", "Run", "Policy", "ModelPlan",
     "TrainConfig", "get_task",

@@ -1,0 +1,271 @@
+"""Muon: momentum orthogonalised by a Newton-Schulz iteration (Jordan et al. 2024,
+"Muon: An optimizer for hidden layers in neural networks"; the AdamW-matched update scale
+and decoupled weight decay of Liu et al. 2025, "Muon is Scalable for LLM Training",
+Moonlight).
+
+Update of a hidden matrix ``W`` (m x n; a convolution's weight viewed as out x the rest)::
+
+    B = momentum * B + G
+    D = G + momentum * B          (nesterov; else D = B)
+    O = NS(D)                     (Newton-Schulz: D's polar factor, approximately U V^T)
+    W = W * (1 - lr * weight_decay) - lr * scale(m, n) * O
+
+``NS`` normalises ``X = D / (||D||_F + eps)``, works on the wide orientation (``X^T``
+when m > n), and repeats ``ns_steps`` times ``A = X X^T; X = a X + (b A + c A A) X``.
+Defaults, and where they come from:
+
+- ``(a, b, c) = (3.4445, -4.7750, 2.0315)``, 5 steps, ``eps = 1e-7``: Jordan's quintic,
+  chosen to push every singular value into about [0.7, 1.2] in 5 steps (Moonlight uses the
+  same); momentum 0.95 with Nesterov (both recipes).
+- ``scale_rule="adamw"``: ``scale = update_rms * sqrt(max(m, n))`` with ``update_rms =
+  0.2`` (Moonlight): the update's RMS is then about 0.2, AdamW's typical update RMS, so
+  AdamW's learning rate and weight decay carry over unchanged. ``"shape"`` is Jordan's
+  ``sqrt(max(1, m / n))``; ``"none"`` is 1.
+
+Muon takes the 2-D (and higher: convolutions) hidden weights; embeddings, the output
+head, norms and biases take AdamW in the same optimizer (param groups with
+``use_muon=False``; `muon_param_groups` splits a model). The momentum buffer holds the
+merged gradient's history: with gradient merge the optimizer steps once per merged
+gradient, so Muon orthogonalises each optimizer step's gradient once.
+
+Sharded parameters (FSDP2 rows, tensor-parallel slices) are orthogonalised whole: the
+elementwise parts run on local shards and ``NS`` on whole matrices, each on one owner
+rank (`bigbatch.optim.whole_matrices`), so a split model steps as the whole one does.
+
+Kernels, behind one function ``muon(params, grads, bufs, ..., kernel=)``: ``"reference"``
+(one matrix at a time, in the parameter's dtype: the spec) and ``"batched"``
+(matrices of one shape stacked into one batched product per iteration; on CUDA in
+``ns_dtype``, bfloat16 by default, as the reference implementations do; no host sync).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ._norms import local
+from ._params import check_range
+from .muon_params import adamw_step, split_muon_groups
+from .whole_matrices import apply_whole
+
+__all__ = ["Muon", "muon", "newton_schulz", "update_scale", "NS_COEFFICIENTS", "NS_STEPS",
+           "SCALE_RULES"]
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+SCALE_RULES = ("adamw", "shape", "none")
+KERNELS = ("auto", "reference", "batched")
+
+
+def newton_schulz(d: torch.Tensor, steps: int = NS_STEPS,
+                  coefficients: Sequence[float] = NS_COEFFICIENTS, eps: float = 1e-7,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The Newton-Schulz quintic on the last two dims of ``d`` (a matrix or a batch of
+    them), in ``dtype`` (default ``d``'s); the result in ``d``'s dtype."""
+    a, b, c = coefficients
+    x = d if dtype is None or d.dtype == dtype else d.to(dtype)
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.mT
+    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        poly = b * gram + c * (gram @ gram)
+        x = a * x + poly @ x
+    if tall:
+        x = x.mT
+    return x.to(d.dtype)
+
+
+def update_scale(rule: str, rows: int, cols: int, update_rms: float = 0.2) -> float:
+    """The factor on ``lr * O`` (module docstring): ``"adamw"``, ``"shape"`` or ``"none"``."""
+    if rule == "adamw":
+        return update_rms * math.sqrt(max(rows, cols))
+    if rule == "shape":
+        return math.sqrt(max(1.0, rows / cols))
+    if rule == "none":
+        return 1.0
+    raise ValueError(f"muon: scale_rule={rule!r} should be one of {SCALE_RULES}")
+
+
+def _orthogonalise(kernel: str, opts: dict, ns_dtype: torch.dtype | None):
+    """``fn(list of whole tensors) -> list`` for `apply_whole`: each viewed as rows x rest."""
+    def fn(wholes: list[torch.Tensor]) -> list[torch.Tensor]:
+        kw = dict(steps=opts["ns_steps"], coefficients=opts["ns_coefficients"],
+                  eps=opts["ns_eps"])
+        if kernel == "reference":
+            return [newton_schulz(d.reshape(d.shape[0], -1), **kw).view(d.shape)
+                    for d in wholes]
+        out: list = [None] * len(wholes)
+        same: dict = {}
+        for i, d in enumerate(wholes):
+            same.setdefault((tuple(d.shape), d.dtype, d.device), []).append(i)
+        for (shape, _, device), idx in same.items():
+            dtype = ns_dtype if device.type == "cuda" else None
+            stacked = torch.stack([wholes[i].reshape(shape[0], -1) for i in idx])
+            for i, r in zip(idx, newton_schulz(stacked, dtype=dtype, **kw).unbind(), strict=True):
+                out[i] = r.view(shape)
+        return out
+    return fn
+
+
+def muon(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+         bufs: Sequence[torch.Tensor], *, lr: float | torch.Tensor = 0.02,
+         momentum: float = 0.95, nesterov: bool = True, ns_steps: int = NS_STEPS,
+         ns_coefficients: Sequence[float] = NS_COEFFICIENTS, ns_eps: float = 1e-7,
+         weight_decay: float = 0.0, scale_rule: str = "adamw", update_rms: float = 0.2,
+         groups: Sequence[tuple[dict, int]] | None = None, kernel: str = "reference",
+         ns_dtype: torch.dtype | None = torch.bfloat16,
+         found_inf: torch.Tensor | None = None) -> None:
+    """One Muon step (the module docstring's update) over tensor lists, in place.
+
+    ``params`` (plain tensors or DTensors, ``ndim >= 2``), their ``grads`` and momentum
+    ``bufs`` (local tensors laid out like each parameter's local shard). The keywords hold
+    one group's hyperparameters, or ``groups`` lists ``(options, count)`` runs covering
+    ``params`` in order (options keyed like the keywords), so that every group's matrices
+    are orthogonalised together: one exchange per step for sharded ones.
+    ``kernel``: ``"reference"`` or ``"batched"``; ``ns_dtype``: the Newton-Schulz dtype of
+    the batched kernel on CUDA. ``found_inf``: a 0-d overflow flag (GradScaler's); nonzero
+    leaves everything unchanged (read to the host).
+    """
+    if kernel not in ("reference", "batched"):
+        raise ValueError(f"muon: kernel={kernel!r} should be 'reference' or 'batched'")
+    if groups is None:
+        groups = [(dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                        ns_coefficients=tuple(ns_coefficients), ns_eps=ns_eps,
+                        weight_decay=weight_decay, scale_rule=scale_rule,
+                        update_rms=update_rms), len(params))]
+    if sum(n for _, n in groups) != len(params) or len(grads) != len(params) \
+            or len(bufs) != len(params):
+        raise ValueError(f"muon: groups cover {sum(n for _, n in groups)} tensors; got "
+                         f"{len(params)} parameters, {len(grads)} gradients, {len(bufs)} buffers")
+    if found_inf is not None and bool(found_inf):
+        return
+    opts_of = [opts for opts, n in groups for _ in range(n)]
+    directions = []
+    for w, g, b, opts in zip(params, grads, bufs, opts_of, strict=True):
+        if w.ndim < 2:
+            raise ValueError(f"muon: takes matrices (ndim >= 2); got a tensor of shape "
+                             f"{tuple(w.shape)}: give it to AdamW (use_muon=False)")
+        g_ = local(g)
+        b.mul_(opts["momentum"]).add_(g_)
+        directions.append(g_.add(b, alpha=opts["momentum"]) if opts["nesterov"] else b)
+    # Groups differing only in lr / weight decay share one orthogonalisation.
+    by_ns: dict = {}
+    for i, opts in enumerate(opts_of):
+        key = (opts["ns_steps"], tuple(opts["ns_coefficients"]), opts["ns_eps"])
+        by_ns.setdefault(key, []).append(i)
+    ortho: list = [None] * len(params)
+    for idx in by_ns.values():
+        fn = _orthogonalise(kernel, opts_of[idx[0]], ns_dtype)
+        for i, o in zip(idx, apply_whole(fn, [directions[i] for i in idx],
+                                         [params[i] for i in idx]), strict=True):
+            ortho[i] = o
+    for w, o, opts in zip(params, ortho, opts_of, strict=True):
+        rows = w.shape[0]
+        cols = w.numel() // rows if rows else 0
+        step = opts["lr"] * update_scale(opts["scale_rule"], rows, cols, opts["update_rms"])
+        w_ = local(w)
+        if opts["weight_decay"]:
+            w_.mul_(1 - opts["lr"] * opts["weight_decay"])
+        if isinstance(step, torch.Tensor):
+            w_.sub_(o * step)
+        else:
+            w_.add_(o, alpha=-step)
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for hidden matrices and AdamW for the rest, in one optimizer.
+
+    Args:
+        params: param groups from `muon_param_groups(model, ...)` (each with ``use_muon``),
+            or ``model.named_parameters()``: then tensors with ``ndim >= 2`` whose name
+            contains none of ``adamw`` go to Muon, the rest to AdamW. Plain tensors without
+            names: by ``ndim`` alone.
+        lr: learning rate of both parts (with ``scale_rule="adamw"`` AdamW's own LR).
+        momentum, nesterov: Muon's momentum (0.95, Nesterov: Jordan's and Moonlight's).
+        ns_steps, ns_coefficients, ns_eps: the Newton-Schulz iteration (module docstring).
+        weight_decay: decoupled, on both parts (``W *= 1 - lr * weight_decay``).
+        scale_rule, update_rms: the Muon update's scale (``"adamw"``, ``"shape"``, ``"none"``).
+        betas, eps: AdamW's, for the ``use_muon=False`` groups.
+        adamw: name substrings that send a matrix to AdamW (embeddings, the output head).
+        kernel: ``"auto"`` (``"batched"``), ``"reference"`` or ``"batched"``.
+        ns_dtype: the Newton-Schulz dtype of the batched kernel on CUDA (bfloat16).
+    """
+
+    def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3,
+                 momentum: float = 0.95, nesterov: bool = True, ns_steps: int = NS_STEPS,
+                 ns_coefficients: Sequence[float] = NS_COEFFICIENTS, ns_eps: float = 1e-7,
+                 weight_decay: float = 0.1, scale_rule: str = "adamw",
+                 update_rms: float = 0.2, betas: tuple[float, float] = (0.9, 0.95),
+                 eps: float = 1e-8, adamw: Sequence[str] = ("embed", "head"),
+                 kernel: str = "auto", ns_dtype: torch.dtype | None = torch.bfloat16):
+        if not isinstance(lr, torch.Tensor):
+            check_range("Muon", "lr", lr, 0.0)
+        check_range("Muon", "momentum", momentum, 0.0, 1.0, high_open=True)
+        check_range("Muon", "ns_steps", ns_steps, 0)
+        if len(tuple(ns_coefficients)) != 3:
+            raise ValueError(f"Muon: ns_coefficients={tuple(ns_coefficients)!r} should be "
+                             "three numbers (a, b, c)")
+        check_range("Muon", "ns_eps", ns_eps, 0.0, low_open=True)
+        check_range("Muon", "weight_decay", weight_decay, 0.0)
+        if scale_rule not in SCALE_RULES:
+            raise ValueError(f"Muon: scale_rule={scale_rule!r} should be one of {SCALE_RULES}")
+        check_range("Muon", "update_rms", update_rms, 0.0, low_open=True)
+        check_range("Muon", "betas[0]", betas[0], 0.0, 1.0, high_open=True)
+        check_range("Muon", "betas[1]", betas[1], 0.0, 1.0, high_open=True)
+        check_range("Muon", "eps", eps, 0.0)
+        if kernel not in KERNELS:
+            raise ValueError(f"Muon: kernel={kernel!r} should be one of {KERNELS}")
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                        ns_coefficients=tuple(ns_coefficients), ns_eps=ns_eps,
+                        weight_decay=weight_decay, scale_rule=scale_rule,
+                        update_rms=update_rms, betas=tuple(betas), eps=eps)
+        super().__init__(split_muon_groups(params, tuple(adamw)), defaults)
+        self.kernel = "batched" if kernel == "auto" else kernel
+        self.ns_dtype = ns_dtype
+
+    def _buffer(self, w: torch.Tensor) -> torch.Tensor:
+        state = self.state[w]
+        if "momentum_buffer" not in state:
+            # zeros_like keeps a DTensor's placements (sharded checkpoints see a DTensor).
+            state["momentum_buffer"] = torch.zeros_like(w)
+        return local(state["momentum_buffer"])
+
+    def _adam_state(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        state = self.state[w]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=local(w).device)
+            state["exp_avg"] = torch.zeros_like(w)
+            state["exp_avg_sq"] = torch.zeros_like(w)
+        return state["step"], local(state["exp_avg"]), local(state["exp_avg_sq"])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        found_inf = getattr(self, "found_inf", None)  # GradScaler's protocol
+        if found_inf is not None and bool(found_inf):
+            return loss
+        matrices, runs = [], []
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if any(p.grad.is_sparse for p in params):
+                raise RuntimeError("Muon does not support sparse gradients")
+            if not params:
+                continue
+            if group["use_muon"]:
+                matrices += params
+                runs.append((group, len(params)))
+            else:
+                adamw_step(group, params, [self._adam_state(p) for p in params],
+                           fused=self.kernel != "reference")
+        if matrices:
+            muon(matrices, [p.grad for p in matrices], [self._buffer(p) for p in matrices],
+                 groups=runs, kernel=self.kernel, ns_dtype=self.ns_dtype)
+        return loss
+

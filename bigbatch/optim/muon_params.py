@@ -1,0 +1,144 @@
+"""Which parameters Muon takes, and the AdamW step of the others.
+
+Muon orthogonalises hidden matrices. Embeddings (a lookup: each row is updated by its
+own token's gradient, not a linear map) and the output head (Jordan's and Moonlight's
+recipes keep it on AdamW), norms and biases (vectors) take AdamW in the same optimizer.
+A param group says which with ``use_muon``; `muon_param_groups` builds the groups from a
+model by data, not by code: ``nn.Embedding`` weights and names containing one of
+``adamw`` (default ``("embed", "head")``: HF's ``embed_tokens``/``lm_head``, nanoGPT's
+``wte``/``wpe`` need ``("wte", "wpe", "lm_head")``) go to AdamW, the other tensors with
+``ndim >= 2`` to Muon, and tensors with ``ndim <= 1`` to AdamW without weight decay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ._base import fusable
+from ._norms import local
+
+__all__ = ["adamw_step", "muon_param_groups", "split_muon_groups"]
+
+DEFAULT_ADAMW = ("embed", "head")
+
+
+def _to_adamw(name: str | None, p: torch.Tensor, adamw: Sequence[str],
+              embeddings: set[int]) -> bool:
+    if p.ndim < 2 or id(p) in embeddings:
+        return True
+    return name is not None and any(s in name for s in adamw)
+
+
+def muon_param_groups(model_or_params, weight_decay: float,
+                      adamw: Sequence[str] = DEFAULT_ADAMW,
+                      exclude: Sequence[str] | None = None) -> list[dict]:
+    """Param groups for `bigbatch.optim.Muon`: Muon matrices, AdamW matrices, and AdamW
+    tensors without weight decay (``ndim <= 1``, or names containing one of ``exclude``
+    when given: Fleet's ``exclude_from_weight_decay``). ``model_or_params``: a module
+    (its ``nn.Embedding`` weights go to AdamW whatever their names) or ``(name, param)``
+    pairs. A matrix that ``exclude`` names still takes Muon, without weight decay. Each
+    group carries ``use_muon``, ``weight_decay``, ``param_names`` and
+    ``layer_adaptation`` (False for the undecayed, as `bigbatch.param_groups` marks them).
+    Empty groups are dropped."""
+    embeddings: set[int] = set()
+    if isinstance(model_or_params, torch.nn.Module):
+        embeddings = {id(m.weight) for m in model_or_params.modules()
+                      if isinstance(m, torch.nn.Embedding)}
+        named = list(model_or_params.named_parameters())
+    else:
+        named = list(model_or_params)
+    kinds: dict[tuple[bool, bool], list] = {(True, True): [], (True, False): [],
+                                            (False, True): [], (False, False): []}
+    for name, p in named:
+        if not p.requires_grad:
+            continue
+        decayed = p.ndim >= 2 if exclude is None else not any(s in name for s in exclude)
+        to_muon = not _to_adamw(name, p, adamw, embeddings)
+        kinds[(to_muon, decayed)].append((name, p))
+    return [{"params": [p for _, p in items], "param_names": [n for n, _ in items],
+             "use_muon": to_muon, "weight_decay": weight_decay if decayed else 0.0,
+             "layer_adaptation": decayed}
+            for (to_muon, decayed), items in kinds.items() if items]
+
+
+def split_muon_groups(params: Iterable, adamw: Sequence[str]) -> list[dict]:
+    """An optimizer's ``params`` argument as groups that each carry ``use_muon``: given
+    groups keep theirs; the rest are split by `muon_param_groups`'s rule (by name when
+    names are given, else by ``ndim``)."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError("Muon: params should be an iterable of tensors or groups, "
+                        "got a single tensor")
+    items = list(params)
+    if not items:
+        raise ValueError("Muon: got an empty parameter list")
+    groups = [dict(g) for g in items] if isinstance(items[0], dict) else [{"params": items}]
+    out = []
+    for group in groups:
+        entries = list(group["params"]) if not isinstance(group["params"], torch.Tensor) \
+            else [group["params"]]
+        if entries and isinstance(entries[0], tuple):
+            names: list | None = [n for n, _ in entries]
+            tensors = [p for _, p in entries]
+        else:
+            names, tensors = group.get("param_names"), entries
+        base = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        if "use_muon" in base:
+            parts = [(bool(base.pop("use_muon")), list(range(len(tensors))))]
+        else:
+            flags = [not _to_adamw(None if names is None else names[i], p, adamw, set())
+                     for i, p in enumerate(tensors)]
+            parts = [(True, [i for i, f in enumerate(flags) if f]),
+                     (False, [i for i, f in enumerate(flags) if not f])]
+        for to_muon, idx in parts:
+            if not idx:
+                continue
+            if to_muon and (bad := [tensors[i] for i in idx if tensors[i].ndim < 2]):
+                raise ValueError(f"Muon: a use_muon group holds a tensor of shape "
+                                 f"{tuple(bad[0].shape)}; Muon takes matrices (ndim >= 2)")
+            g = {**base, "params": [tensors[i] for i in idx], "use_muon": to_muon}
+            if names is not None:
+                g["param_names"] = [names[i] for i in idx]
+            out.append(g)
+    return out
+
+
+def adamw_step(group: dict, params: list[torch.Tensor],
+               states: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+               fused: bool = True) -> None:
+    """AdamW (Loshchilov & Hutter 2019; torch's ``AdamW`` rule) on the local tensors::
+
+        m = beta1 m + (1 - beta1) g;   v = beta2 v + (1 - beta2) g^2
+        w = w (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)
+
+    ``fused``: torch's fused kernel where the layouts allow (float CPU / CUDA tensors
+    of one kind at a time); elementwise, so sharded parameters step their shards."""
+    lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+    beta1, beta2 = group["betas"]
+    ws, gs = [local(w) for w in params], [local(w.grad) for w in params]
+    plain = []
+    kinds: dict = {}
+    for i, (w, g, (_, m, v)) in enumerate(zip(ws, gs, states, strict=True)):
+        ok = (fused and not isinstance(lr, torch.Tensor) and w.device.type in ("cpu", "cuda")
+              and w.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+              and fusable(w, g, m, v))
+        (kinds.setdefault((w.device, w.dtype), []) if ok else plain).append(i)
+    for idx in kinds.values():
+        steps = [states[i][0] for i in idx]
+        torch._foreach_add_(steps, 1)
+        torch._fused_adamw_([ws[i] for i in idx], [gs[i] for i in idx],
+                            [states[i][1] for i in idx], [states[i][2] for i in idx], [],
+                            steps, lr=float(lr), beta1=beta1, beta2=beta2,
+                            weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
+    for i in plain:
+        step, m, v = states[i]
+        step += 1
+        t = float(step)
+        w, g = ws[i], gs[i]
+        w.mul_(1 - lr * wd)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (v.sqrt() / (1 - beta2 ** t) ** 0.5).add_(eps)
+        w.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t)) if not isinstance(lr, torch.Tensor) \
+            else w.sub_(lr / (1 - beta1 ** t) * m / denom)
