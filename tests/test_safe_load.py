@@ -195,6 +195,18 @@ def test_a_crafted_save_state_file_is_refused(run, tmp_path, name):
     assert all(torch.equal(v, run.module.state_dict()[k]) for k, v in weights.items())
 
 
+def test_a_crafted_dcp_index_in_a_sharded_save_state_is_refused(tmp_path):
+    torch.manual_seed(0)
+    strategy = Strategy.from_dict({"sharding": {"enable": True, "stage": 3}})
+    run = prepare(torch.nn.Linear(4, 2), strategy, total_steps=4, world=World())
+    state, marker = tmp_path / "state", tmp_path / "ran"
+    run.save_state(state)
+    (state / "model" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(UntrustedFileError, match=r"model/.metadata names builtins.exec"):
+        run.load_state(state)
+    assert not marker.exists()
+
+
 def test_save_state_refuses_extra_it_could_not_read_back(run, tmp_path):
     with pytest.raises(ConfigError, match=r"extra\['step'\] is a numpy.float64"):
         run.save_state(tmp_path / "state", extra={"step": np.float64(3.0)})

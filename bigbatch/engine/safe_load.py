@@ -132,13 +132,14 @@ class _MetadataUnpickler(pickle.Unpickler):
         return found
 
 
-def read_dcp_metadata(path: str | os.PathLike) -> Any:
-    """DCP's index at `path` (a ``.metadata`` file), built only from DCP's own types.
-    Raises `UntrustedFileError` for anything else, OSError when it cannot be read."""
+def read_dcp_metadata(path: str | os.PathLike, what: str | None = None) -> Any:
+    """DCP's index at `path` (a ``.metadata`` file), built only from DCP's own types;
+    `what` names it in errors (default: its folder and name). Raises `UntrustedFileError`
+    for anything else, OSError when it cannot be read."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     path = Path(path)
-    what = f"{path.parent.name}/{path.name}"
+    what = what or f"{path.parent.name}/{path.name}"
     with open(path, "rb") as f:
         try:
             meta = _MetadataUnpickler(f, _dcp_metadata_types()).load()

@@ -271,7 +271,7 @@ def load_state(run: Any, directory: str | os.PathLike) -> dict[str, Any]:
         if saved_world == run.world.world_size and rng.is_file():
             rngs = load_plain(rng, f"{where}: {rng.name}")
         if sharded:  # DCP's index, checked here: inside DCP a refusal loses its words
-            read_dcp_metadata(path / "model" / ".metadata")
+            read_dcp_metadata(path / "model" / ".metadata", f"{where}: model/.metadata")
         else:
             model = load_plain(path / "model.pt", f"{where}: model.pt",
                                map_location=run.world.device)
