@@ -98,3 +98,23 @@ def test_a_c10d_rendezvous_is_rewritten_to_the_bound_one_and_others_are_left_alo
     args = parse(["--nnodes", "2", "--rdzv-backend", "static", "--rdzv-endpoint",
                   "127.0.0.1:29400", "x.py"])
     assert bind_rendezvous(args) == {} and args.rdzv_backend == "static"
+
+
+@pytest.mark.slow  # ~25 s: two launchers (two "nodes" on this machine) through one endpoint
+def test_two_nodes_meet_at_a_bound_endpoint(tmp_path, cache):
+    from tests._cli import start_cli
+
+    port = _free_port()
+    args = ["train", *TINY, "--steps", "20", "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint",
+            f"127.0.0.1:{port}", "--rdzv-id", "two-nodes", "--timeout", "60", "--out",
+            str(tmp_path / "run")]
+    nodes = [start_cli(args, cache) for _ in range(2)]
+    try:
+        errs = [node.communicate(timeout=150)[1] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait(30)
+    assert [node.returncode for node in nodes] == [0, 0], [e[-2000:] for e in errs]
+    assert (tmp_path / "run" / "final.pt").is_file()
