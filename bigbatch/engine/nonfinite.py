@@ -92,8 +92,13 @@ class LossGuard:
         self._landing: deque[_Landing] = deque()
 
     def observe(self, loss: torch.Tensor) -> None:
-        """One micro-step's loss (before any scaling); nothing is read."""
-        self._flag += (~torch.isfinite(loss.detach())).any()
+        """One micro-step's loss (before any scaling); nothing is read. A DTensor loss
+        (tensor parallelism) is looked at through its local part: a partial sum is
+        non-finite wherever the whole is, and the flag is all-reduced before it is read."""
+        loss = loss.detach()
+        if hasattr(loss, "to_local"):
+            loss = loss.to_local()
+        self._flag += (~torch.isfinite(loss)).any()
 
     def reset(self) -> None:
         """The merge window was dropped (`run.skip_step`): its losses no longer count."""
