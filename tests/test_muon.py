@@ -184,3 +184,33 @@ def test_owners_spread_the_work_and_shards_cut_like_torch_chunk():
         sizes = [e - s for s, e in cuts]
         want = [len(c) for c in torch.arange(size).chunk(n)] if size else []
         assert sizes[: len(want)] == want and sum(sizes) == size
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"momentum": 1.0}, r"^muon\.momentum must be in \[0, 1\), got 1\.0$"),
+    ({"ns_steps": 0}, r"^muon\.ns_steps must be in \[1, 100\], got 0$"),
+    ({"scale_rule": "rms"}, r"^muon\.scale_rule must be one of adamw, shape, none; got 'rms'$"),
+    ({"ns_coefficients": [1.0, 2.0]}, r"^muon\.ns_coefficients=\[1\.0, 2\.0\] should be three"),
+])
+def test_bad_muon_keys_are_one_line_naming_key_value_and_range(body, message):
+    from bigbatch.config.strategy import Strategy
+    from bigbatch.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message) as e:
+        Strategy.from_dict({"optimizer": {"type": "adamw"}, "muon": body})
+    assert "\n" not in str(e.value)
+
+
+def test_strategy_section_builds_muon_with_the_keys():
+    from bigbatch.config.strategy import Strategy
+    from bigbatch.engine.optimizer import build_optimizer
+
+    s = Strategy.from_toml('[optimizer]\ntype = "adamw"\nbeta2 = 0.95\n[muon]\nmomentum = 0.9\n'
+                           'ns_steps = 6\nmuon_weight_decay = 0.05\nadamw_params = ["3."]\n')
+    model = nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 6), nn.LayerNorm(6), nn.Linear(6, 3))
+    opt = build_optimizer(model, s, lr=0.01)
+    assert isinstance(opt, Muon) and s.optimizer_name() == "Muon"
+    muon_group = next(g for g in opt.param_groups if g["use_muon"])
+    assert muon_group["param_names"] == ["1.weight"]
+    assert (muon_group["momentum"], muon_group["ns_steps"], muon_group["weight_decay"],
+            muon_group["betas"]) == (0.9, 6, 0.05, (0.9, 0.95))

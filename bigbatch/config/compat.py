@@ -105,12 +105,21 @@ CONFLICTS: tuple[Conflict, ...] = (
       lambda s, c: s.lamb.enable and s.optimizer.type != "adamw",
       '{a} needs optimizer.type = "adamw" ({reason}), got "{s.optimizer.type}"',
       "LAMB wraps AdamW", 'set optimizer.type = "adamw"', {"lamb": {}}),
+    C("muon-lars-lamb", "[muon]", "[lars] or [lamb]",
+      lambda s, c: s.muon.enable and (s.lars.enable or s.lamb.enable),
+      "{a} and {b} are both enabled; {fix}", "each is the whole optimizer of the hidden matrices",
+      "enable one of them", {"muon": {}, "lamb": {}, "optimizer": {"type": "adamw"}}),
+    C("muon-momentum", "[muon]", 'optimizer.type = "momentum"',
+      lambda s, c: s.muon.enable and s.optimizer.type != "adamw",
+      '{a} needs optimizer.type = "adamw" ({reason}), got "{s.optimizer.type}"',
+      "AdamW takes the embeddings, head, norms and biases", 'set optimizer.type = "adamw"',
+      {"muon": {}}),
     *(C(f"{name}-weight-decay", "optimizer.weight_decay > 0", f"[{name}]",
         lambda s, c, name=name: getattr(s, name).enable and s.optimizer.weight_decay != 0,
         "optimizer.weight_decay={s.optimizer.weight_decay} with {b} would decay twice; {fix}",
         f"[{name}] applies its own weight decay", f"set it to 0 and use {name}.{name}_weight_decay",
         {name: {}, "optimizer": {"type": opt, "weight_decay": 0.01}})
-      for name, opt in (("lars", "momentum"), ("lamb", "adamw"))),
+      for name, opt in (("lars", "momentum"), ("lamb", "adamw"), ("muon", "adamw"))),
     # the pipeline
     C("pipeline-gradient-merge", "[gradient_merge]", "[pipeline]",
       lambda s, c: s.pipeline.enable and s.gradient_merge.enable, "{a} with {b}: {reason}; {fix}",
@@ -335,11 +344,12 @@ CONFLICTS: tuple[Conflict, ...] = (
     *LR_FIND_ROWS,  # the LR range test before training
     *BATCH_SCHEDULE_ROWS,  # a batch that grows during the run
     # prepare(): the model and the worker
-    C("own-optimizer-lars-lamb", "[lars] or [lamb]", "prepare(optimizer=...)",
-      lambda s, c: c.own_optimizer and (s.lars.enable or s.lamb.enable),
+    C("own-optimizer-lars-lamb", "[lars], [lamb] or [muon]", "prepare(optimizer=...)",
+      lambda s, c: c.own_optimizer and (s.lars.enable or s.lamb.enable or s.muon.enable),
       "[{name}] builds its own optimizer; with prepare(..., optimizer=...) switch [{name}] off "
       "({fix})", "each builds its own optimizer", "your optimizer is used as it is", {"lars": {}},
-      Context(own_optimizer=True), lambda s, c: {"name": "lars" if s.lars.enable else "lamb"}),
+      Context(own_optimizer=True), lambda s, c: {"name": "lars" if s.lars.enable else
+                                                 "lamb" if s.lamb.enable else "muon"}),
     C("own-optimizer-mesh", "prepare(optimizer=...)", "[sharding], tensor or pipeline parallelism",
       lambda s, c: c.own_optimizer and (
           s.sharding.enable or _tp(s) or (s.pipeline.enable and s.pipeline.pp_degree > 1)),

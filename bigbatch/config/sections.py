@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 from bigbatch.config.adaptive_sections import BUILTIN_POLICIES, AdaptiveConfig, StragglerConfig
 from bigbatch.config.elastic import ELASTIC_MODES
 from bigbatch.config.fields import closest, unknown_key_message
+from bigbatch.config.muon_section import MuonConfig
 from bigbatch.config.parallel_sections import (
     REDUCES,
     SCHEDULES,
@@ -350,6 +351,7 @@ SECTIONS: dict[str, type[_Section]] = {
         OptimizerConfig,
         LarsConfig,
         LambConfig,
+        MuonConfig,
         GradientMergeConfig,
         AmpConfig,
         RecomputeConfig,

@@ -35,6 +35,7 @@ from bigbatch.config.fields import (
     read_toml_source,
     unknown_key_message,
 )
+from bigbatch.config.muon_section import MuonConfig
 from bigbatch.config.overview import strategy_overview
 from bigbatch.config.scaling import scale_lr
 from bigbatch.config.schedules import growth_of
@@ -122,6 +123,8 @@ class Strategy:
     """[lars]: LARS on top of momentum (off by default)."""
     lamb: LambConfig = _off(LambConfig)
     """[lamb]: LAMB on top of adamw (off by default)."""
+    muon: MuonConfig = _off(MuonConfig)
+    """[muon]: Muon for hidden matrices, adamw for the rest (off by default)."""
     gradient_merge: GradientMergeConfig = _off(GradientMergeConfig)
     """[gradient_merge]: k micro-steps per optimizer step (off by default)."""
     amp: AmpConfig = _off(AmpConfig)
@@ -381,7 +384,7 @@ class Strategy:
         return steps if steps is not None else 30 if self.optimizer.type == "adamw" else 15
 
     def optimizer_name(self) -> str:
-        """The optimizer the engine builds: ``LARS``, ``LAMB``, ``momentum`` or ``adamw``
+        """The optimizer the engine builds: ``LARS``, ``LAMB``, ``Muon``, ``momentum`` or ``adamw``
         (``K-FAC + momentum``, ``K-FAC + LARS`` with [kfac])."""
         if self.kfac.enable:
             return "K-FAC + " + ("LARS" if self.lars.enable else self.optimizer.type)
@@ -389,4 +392,6 @@ class Strategy:
             return "LARS"
         if self.lamb.enable:
             return "LAMB"
+        if self.muon.enable:
+            return "Muon"
         return self.optimizer.type

@@ -1,4 +1,5 @@
-"""The optimizer a Strategy names: torch's SGD / AdamW, or LARS / LAMB from `bigbatch.optim`."""
+"""The optimizer a Strategy names: torch's SGD / AdamW, or LARS / LAMB / Muon from
+`bigbatch.optim`."""
 
 from __future__ import annotations
 
@@ -32,12 +33,13 @@ def build_optimizer(model: nn.Module, strategy: Any, lr: float,
     """The optimizer the strategy names, over `model`'s parameters, at learning rate `lr`.
 
     momentum -> SGD, adamw -> AdamW (torch.optim, fused/foreach); `[lars]` turns
-    momentum into LARS and `[lamb]` adamw into LAMB (bigbatch.optim). Parameters are
+    momentum into LARS, `[lamb]` adamw into LAMB and `[muon]` adamw into Muon + AdamW
+    (bigbatch.optim). Parameters are
     split by `exclusion_groups` (no weight decay and no trust ratio for the excluded).
     `zero`: the same optimizer inside a `ZeroRedundancyOptimizer` (ZeRO stage 1).
     """
     cls, kwargs, exclude = _recipe(model, strategy, lr)
-    groups = exclusion_groups(model, kwargs.get("weight_decay", 0.0), exclude)
+    groups = _groups(model, strategy, kwargs.get("weight_decay", 0.0), exclude)
     if not zero:
         return cls(groups, **kwargs)
     from bigbatch.parallel.sharding import zero_optimizer
@@ -48,8 +50,19 @@ def build_optimizer(model: nn.Module, strategy: Any, lr: float,
 def weight_decays(model: nn.Module, strategy: Any) -> dict[int, float]:
     """The weight decay `build_optimizer` gives each trainable parameter, by `id`."""
     _, kwargs, exclude = _recipe(model, strategy, lr=0.0)
-    groups = exclusion_groups(model, kwargs.get("weight_decay", 0.0), exclude, warn=False)
+    groups = _groups(model, strategy, kwargs.get("weight_decay", 0.0), exclude, warn=False)
     return {id(p): float(g["weight_decay"]) for g in groups for p in g["params"]}
+
+
+def _groups(model: nn.Module, strategy: Any, weight_decay: float,
+            exclude: tuple[str, ...] | None, warn: bool = True) -> list[dict[str, Any]]:
+    """`exclusion_groups`, or under [muon] its groups (`muon_param_groups`: Muon's matrices,
+    AdamW's matrices named by muon.adamw_params, AdamW's undecayed tensors)."""
+    if not strategy.muon.enable:
+        return exclusion_groups(model, weight_decay, exclude, warn)
+    from bigbatch.optim import muon_param_groups
+
+    return muon_param_groups(model, weight_decay, strategy.muon.adamw_params, exclude)
 
 
 def exclusion_groups(model: nn.Module, weight_decay: float, exclude: tuple[str, ...] | None,
@@ -126,6 +139,16 @@ def _recipe(model: nn.Module, strategy: Any, lr: float
             trust_clip=lamb.trust_clip,
             always_adapt=lamb.always_adapt,
         ), _patterns(lamb.exclude_from_weight_decay)
+    if strategy.muon.enable:
+        from bigbatch.optim import Muon
+
+        m = strategy.muon
+        return Muon, dict(
+            lr=lr, momentum=m.momentum, nesterov=m.nesterov, ns_steps=m.ns_steps,
+            ns_coefficients=m.ns_coefficients, weight_decay=m.muon_weight_decay,
+            scale_rule=m.scale_rule, update_rms=m.update_rms, betas=(o.beta1, o.beta2),
+            eps=o.epsilon,
+        ), _patterns(m.exclude_from_weight_decay)
     fast = _fast_kwargs(model)
     exclude = _patterns(getattr(o, "exclude_from_weight_decay", None))
     if o.type == "momentum":
