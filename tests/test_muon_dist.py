@@ -7,7 +7,8 @@ micro-batches), and every weight equals one process taking one step of the whole
 (float32, relative to each tensor's norm; `WORST` records the largest error per layout).
 Muon's matrices are orthogonalised whole: FSDP2 row shards and tensor-parallel column /
 row slices go to owner ranks and come back (`bigbatch.optim.whole_matrices`), checked
-also on uneven shards directly. All cases share one start of two processes.
+also on uneven shards directly; tensor parallel 2 x ZeRO-3 on 4 ranks (slow) gathers them.
+All 2-rank cases share one start of two processes.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def strategy(layout: str | None, k: int = 1) -> Strategy:
         d["sharding"] = {"stage": int(layout[-1])}
     elif layout == "tp2":
         d["tensor_parallel"] = {"tensor_parallel_degree": 2}
+    elif layout == "tp2xzero3":
+        d["tensor_parallel"] = {"tensor_parallel_degree": 2}
+        d["sharding"] = {"stage": 3}
     elif layout == "pp2":
         d["pipeline"] = {"pp_degree": 2, "accumulate_steps": k}
     return Strategy.from_dict(d)
@@ -104,16 +108,16 @@ def _uneven_shards() -> list[float]:
     return errs
 
 
-def _worker() -> dict:
-    out = {"uneven": _uneven_shards()}
-    for layout, k in CASES:
+def _worker(cases=None) -> dict:
+    out = {} if cases else {"uneven": _uneven_shards()}
+    for layout, k in cases or CASES:
         model = make("llama")
-        plan = (ModelPlan(tp_plan=LLAMA_TP_PLAN) if layout == "tp2" else
+        plan = (ModelPlan(tp_plan=LLAMA_TP_PLAN) if layout.startswith("tp2") else
                 ModelPlan(pipeline_layers=llama_layers(model)) if layout == "pp2" else None)
         # nan_policy=None under tp2: the engine's non-finite guard adds a DTensor loss (loss
         # parallel) to a plain flag and DTensor dispatch refuses it (not Muon's to fix).
         run = prepare(model, strategy(layout, k), total_steps=STEPS, model_plan=plan,
-                      nan_policy=None if layout == "tp2" else "stop")
+                      nan_policy=None if layout.startswith("tp2") else "stop")
         try:
             with CountCalls(("all_to_all_single",)) as moves:
                 out[(layout, k)] = (train(run, k), type(run.optimizer).__name__)
@@ -129,12 +133,18 @@ def parallel():
 
 
 @pytest.fixture(scope="module")
+def four_ranks():
+    return run_workers(_worker, world_size=4, args=(FOUR,), timeout=400, init_group=True)
+
+
+@pytest.fixture(scope="module")
 def single():
     run = prepare(make("llama"), strategy(None), total_steps=STEPS, world=World())
     return train(run, 1), run.optimizer
 
 
 WORST: dict = {}
+FOUR = [("tp2xzero3", 1), ("tp2xzero3", 4)]
 
 
 def test_strategy_builds_muon_with_adamw_for_embeddings_head_norms(single):
@@ -154,10 +164,21 @@ def test_uneven_row_and_column_shards_are_orthogonalised_whole(parallel):
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{lay}-k{k}" for lay, k in CASES])
 def test_layout_equals_one_process_step_of_the_whole_batch(parallel, single, case):
+    _assert_equal(parallel, single, case)
+
+
+@pytest.mark.slow  # ~20 s: 4 more processes on 2 cores (the default run keeps 2 ranks)
+@pytest.mark.parametrize("case", FOUR, ids=[f"{lay}-k{k}" for lay, k in FOUR])
+def test_tp2_x_zero3_on_4_ranks_equals_one_process(four_ranks, single, case):
+    """Both mesh dims sharded (FSDP2's _StridedShard over TP's Shard): gathered whole."""
+    _assert_equal(four_ranks, single, case)
+
+
+def _assert_equal(parallel, single, case):
     want, _ = single
     seen: set = set()
     worst = 0.0
-    for rank in range(W):
+    for rank in range(len(parallel)):
         got, kind = parallel[rank][case]
         assert kind == ("ZeroRedundancyOptimizer" if case[0] == "zero1" else "Muon")
         assert set(got) <= set(want)
@@ -168,7 +189,7 @@ def test_layout_equals_one_process_step_of_the_whole_batch(parallel, single, cas
             assert err <= TOLERANCE, (key, err)
     assert seen == set(want)
     # FSDP2's rows and tensor-parallel slices: to the owners and back, once per step.
-    sliced = case[0] in ("zero2", "zero3", "tp2")
+    sliced = case[0] in ("zero2", "zero3", "tp2")  # tp2 x zero3: gathered (all-gather)
     assert parallel[0][(*case, "moves")] == (2 * STEPS if sliced else 0)
     WORST[case] = worst
     print(f"muon {case[0]} k={case[1]}: worst relative error {worst:.2e}")
