@@ -231,3 +231,27 @@ def test_a_rank_that_never_joins_is_named_without_cpp_warnings(cache, tmp_path):
     assert lines[0].startswith("bigbatch train: error: worker rank 1 did not answer within "
                                "data_parallel.timeout_s=3s in init_process_group"), err[-3000:]
     assert "[W" not in err and "c10d" not in err and "Traceback" not in err, err[-3000:]
+
+
+@pytest.mark.parametrize("sig, says", [
+    (9, "worker rank 1 was killed by SIGKILL; continue from the last checkpoint with --resume"),
+    (6, "worker rank 1 aborted in torch (SIGABRT; the line above says why): a collective that "
+        "differs between ranks, e.g. a parameter one rank does not use under sharding.stage "
+        "2-3, or NCCL's watchdog after data_parallel.timeout_s")], ids=["SIGKILL", "SIGABRT"])
+def test_a_worker_killed_by_a_signal_is_named_by_the_launcher(sig, says, monkeypatch, capsys):
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from bigbatch.cli.launch import run_torchrun
+
+    def run(args):
+        raise ChildFailedError("bigbatch", {1: ProcessFailure(1, 4242, -sig, "/nonexistent")})
+
+    monkeypatch.setattr(torchrun, "run", run)
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TORCH_CPP_LOG_LEVEL",
+                 "BIGBATCH_LAUNCHER_PID"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))  # restored after the test
+    code = run_torchrun(["--standalone", "--nproc-per-node", "2", "-m", "bigbatch"],
+                        command="train", timeout=5)
+    assert code == 1
+    assert capsys.readouterr().err == f"bigbatch train: error: {says}\n"

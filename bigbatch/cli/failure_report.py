@@ -85,7 +85,8 @@ def choose(failures: dict[int, Any]) -> tuple[str | None, int, int | None]:
             deaths[rank] = failure
     first_report = min((r["time"] for r in reports.values()), default=float("inf"))
     first_death = min(deaths.items(), key=lambda kv: (kv[1].timestamp, kv[0]), default=None)
-    if first_death is not None and first_death[1].timestamp <= int(first_report):
+    before = int(first_report) if reports else first_report  # whole seconds, as torchrun's
+    if first_death is not None and first_death[1].timestamp <= before:
         return None, 1, first_death[0]  # a worker died first: the others only lost it
     if reports:
         best = min(reports.items(), key=lambda kv: (kv[1]["kind"], kv[1]["time"], kv[0]))[1]

@@ -218,8 +218,15 @@ def run_torchrun(torchrun_argv: list[str], *, command: str, timeout: float,
         line, status, killed = choose(e.failures)  # the workers handed their lines here
         if killed is not None:
             failure = e.failures[killed]
-            line = (f"bigbatch {command}: error: worker rank {killed} was killed by "
-                    f"{failure.signal_name()}; continue from the last checkpoint with --resume")
+            if failure.exitcode == -signal.SIGABRT:  # torch's C++ gave up: its line is above
+                line = (f"bigbatch {command}: error: worker rank {killed} aborted in torch "
+                        "(SIGABRT; the line above says why): a collective that differs "
+                        "between ranks, e.g. a parameter one rank does not use under "
+                        "sharding.stage 2-3, or NCCL's watchdog after data_parallel.timeout_s")
+            else:
+                line = (f"bigbatch {command}: error: worker rank {killed} was killed by "
+                        f"{failure.signal_name()}; continue from the last checkpoint with "
+                        "--resume")
         if line is not None:
             print(line, file=sys.stderr)
         return status
