@@ -129,7 +129,8 @@ def test_batched_kernel_equals_reference_and_state_dict_resumes():
             step(m, o)
         if t == 1:  # the third resumes from the second's state dict
             models[2] = copy.deepcopy(models[1])
-            opts[2] = Muon(muon_param_groups(models[2], 0.1, adamw=("5.",)), lr=0.02)
+            opts[2] = Muon(muon_param_groups(models[2], 0.1, adamw=("5.",)), lr=0.02,
+                           kernel="batched")
             opts[2].load_state_dict(copy.deepcopy(opts[1].state_dict()))
     for a, b, c in zip(*(m.parameters() for m in models), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)

@@ -191,7 +191,8 @@ class Muon(torch.optim.Optimizer):
         scale_rule, update_rms: the Muon update's scale (``"adamw"``, ``"shape"``, ``"none"``).
         betas, eps: AdamW's, for the ``use_muon=False`` groups.
         adamw: name substrings that send a matrix to AdamW (embeddings, the output head).
-        kernel: ``"auto"`` (``"batched"``), ``"reference"`` or ``"batched"``.
+        kernel: ``"auto"`` (``"batched"`` on CUDA, ``"reference"`` on CPU, where stacking
+            measured slower), ``"reference"`` or ``"batched"``.
         ns_dtype: the Newton-Schulz dtype of the batched kernel on CUDA (bfloat16).
     """
 
@@ -224,7 +225,7 @@ class Muon(torch.optim.Optimizer):
                         weight_decay=weight_decay, scale_rule=scale_rule,
                         update_rms=update_rms, betas=tuple(betas), eps=eps)
         super().__init__(split_muon_groups(params, tuple(adamw)), defaults)
-        self.kernel = "batched" if kernel == "auto" else kernel
+        self.kernel = kernel
         self.ns_dtype = ns_dtype
 
     def _buffer(self, w: torch.Tensor) -> torch.Tensor:
@@ -265,7 +266,10 @@ class Muon(torch.optim.Optimizer):
                 adamw_step(group, params, [self._adam_state(p) for p in params],
                            fused=self.kernel != "reference")
         if matrices:
+            kernel = self.kernel
+            if kernel == "auto":  # one product per shape pays on a GPU, not on CPU threads
+                kernel = "batched" if local(matrices[0]).device.type == "cuda" else "reference"
             muon(matrices, [p.grad for p in matrices], [self._buffer(p) for p in matrices],
-                 groups=runs, kernel=self.kernel, ns_dtype=self.ns_dtype)
+                 groups=runs, kernel=kernel, ns_dtype=self.ns_dtype)
         return loss
 

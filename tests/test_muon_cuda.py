@@ -1,0 +1,57 @@
+"""Muon on CUDA (marked ``cuda``; skipped without a device): the batched bfloat16
+Newton-Schulz step makes no host synchronisation, and it lands near the float32 reference
+step (bfloat16's rounding, as the published implementations run it)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from bigbatch.optim import Muon, muon_param_groups
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 96), nn.GELU(), nn.Linear(96, 32),
+                         nn.Linear(32, 96), nn.LayerNorm(96), nn.Linear(96, 64)).cuda()
+
+
+def _step(m: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    opt.zero_grad()
+    m(x).square().mean().backward()
+    opt.step()
+
+
+def test_batched_bf16_step_never_syncs_with_the_host():
+    m = model()
+    opt = Muon(muon_param_groups(m, 0.1, adamw=("6.",)), lr=1e-3)
+    x = torch.randint(0, 64, (8, 4), device="cuda")
+    _step(m, opt, x)  # state created
+    torch.cuda.synchronize()
+    m(x).square().mean().backward()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+
+def test_bf16_newton_schulz_lands_near_the_float32_reference():
+    fast, ref = model(), model()
+    x = torch.randint(0, 64, (8, 4), device="cuda")
+    opts = [Muon(muon_param_groups(fast, 0.1, adamw=("6.",)), lr=1e-2),
+            Muon(muon_param_groups(ref, 0.1, adamw=("6.",)), lr=1e-2, kernel="reference")]
+    start = copy.deepcopy(ref.state_dict())
+    for _ in range(3):
+        _step(fast, opts[0], x)
+        _step(ref, opts[1], x)
+    for (name, a), b in zip(fast.named_parameters(), ref.parameters(), strict=True):
+        moved = (b - start[name]).norm()
+        assert (a - b).norm() <= 0.05 * moved + 1e-6, name
