@@ -235,6 +235,6 @@ def test_cli_refuses_in_one_line(args, message, capsys):
 def test_cli_suggest_lists_fitting_layouts(tmp_path):
     p = run_cli([*CHARLM, "--world", "4", "--gpu-memory", "0.008", "--suggest"], tmp_path)
     assert p.returncode == 0, p.stderr
-    assert "layouts that fit 0.008 GiB, least traffic first" in p.stdout
-    rows = p.stdout.split("least traffic first")[1].splitlines()[2:]
+    assert "layouts that fit 0.008 GiB, fastest first" in p.stdout
+    rows = p.stdout.split("fastest first")[1].splitlines()[2:]
     assert rows and "none" not in rows[0]

@@ -23,6 +23,7 @@ from bigbatch.config.parallelism import check_pipeline_plan, degrees
 from bigbatch.errors import ConfigError
 from bigbatch.optim._norms import local
 from bigbatch.parallel.data_parallel import check_reduce
+from bigbatch.planner.cost import OpCost, cost_counting
 from bigbatch.planner.counting import CommCount, counting
 from bigbatch.planner.fake import fake_world
 from bigbatch.planner.layout import RankLayout, lay_out, stage_runs
@@ -103,6 +104,11 @@ def _plan(model_fn: Callable[[], nn.Module], strategy: Any, world: int, *,
                         schedule=pipe.schedule_mode if deg.pp_enabled else None,
                         virtual=pipe.virtual_stages if deg.pp_enabled else 1,
                         ranks=[], gpu_memory=gpu_memory, strategy=strategy)
+    if example is not None:
+        inputs = example(1)[0]
+        if isinstance(inputs, torch.Tensor) and not inputs.is_floating_point() \
+                and inputs.dim() >= 2:
+            result.tokens_per_sample = int(inputs[0].numel())
     stages = range(deg.pipeline)
     if ends_only and deg.pipeline > 2:
         stages = [0, deg.pipeline - 1]
@@ -137,14 +143,15 @@ def _state_tensors(optimizer: Any, params: Sequence[torch.Tensor] | None = None)
             if isinstance(v, torch.Tensor)]
 
 
-def _meta_step(layout: RankLayout, strategy: Any, optimizer: Any) -> CommCount:
+def _meta_step(layout: RankLayout, strategy: Any, optimizer: Any) -> tuple[CommCount, OpCost]:
     """One optimizer step on meta gradients (clipping first when the strategy clips): the
-    state it creates is the optimizer's own layout, what it sends is counted."""
+    state it creates is the optimizer's own layout, what it sends is counted, its
+    operators costed."""
     params = [p for p in layout.module.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)
-    count = CommCount()
-    with counting(count, layout.names):
+    count, cost = CommCount(), OpCost()
+    with counting(count, layout.names), cost_counting(cost):
         clip = strategy.max_grad_norm()
         if clip is not None:
             from bigbatch.engine.step import clip as clip_grads
@@ -152,7 +159,7 @@ def _meta_step(layout: RankLayout, strategy: Any, optimizer: Any) -> CommCount:
 
             clip_grads(params, grad_norm(params, None, layout.pipeline), clip)
         optimizer.step()
-    return count
+    return count, cost
 
 
 def _zero1_fullest(layout: RankLayout, strategy: Any) -> int:
@@ -223,7 +230,7 @@ def _plan_rank(rank: int, model_fn: Callable[[], nn.Module], strategy: Any, deg:
         layout = lay_out(model, strategy, deg, world, tp_plan=tp_plan_of(model),
                          pipeline_layers=pipeline_layers, probe=run_probe, example=x)
         module, mesh, pipeline, names = layout.module, layout.mesh, layout.pipeline, layout.names
-        step = _meta_step(layout, strategy, layout.optimizer)
+        step, step_cost = _meta_step(layout, strategy, layout.optimizer)
         params = list(module.parameters())
         trainable = [p for p in params if p.requires_grad]
         out = RankPlan(rank=rank, stages=list(pipeline.stage_ids) if pipeline else [0],
@@ -239,10 +246,10 @@ def _plan_rank(rank: int, model_fn: Callable[[], nn.Module], strategy: Any, deg:
         stage0 = out.stages[0]
         out.in_flight = _in_flight(result.schedule, k, stage0, deg.pipeline * result.virtual,
                                    result.virtual)
-        comm = out.comm
+        out.step_comm, out.optimizer_cost = step, step_cost
         if layout.probe is not None:
-            comm.update(layout.probe.comm, times=k)
-        comm.update(step)
+            out.micro_comm, out.compute = layout.probe.comm, layout.probe.cost
+        comm = out.data_comm  # what follows: the reductions, sends and counts by arithmetic
         if deg.pp_enabled:
             if layout.probe is not None:
                 pipeline_traffic(comm, layout.probe.sent, layout.probe.received, k, module,
@@ -281,6 +288,9 @@ def _plan_rank(rank: int, model_fn: Callable[[], nn.Module], strategy: Any, deg:
             if mode in LOSSY or mode == "adasum":
                 out.notes.append(f"data_parallel reduce {mode!r}: the all-reduce is counted "
                                  "uncompressed (an upper bound)")
+    out.comm.update(out.micro_comm, times=k)
+    out.comm.update(out.step_comm)
+    out.comm.update(out.data_comm)
     return out
 
 

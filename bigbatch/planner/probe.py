@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bigbatch.optim._norms import local
+from bigbatch.planner.cost import OpCost, cost_counting
 from bigbatch.planner.counting import CommCount, counting
 
 __all__ = ["Probe", "StageRun", "nbytes", "probe"]
@@ -60,6 +61,9 @@ class Probe:
     received: list[int] = field(default_factory=list)
     """Bytes of each stage's input from the previous stage (its gradient goes back), per
     stage; 0 for the first stage."""
+    cost: OpCost = field(default_factory=OpCost)
+    """Its operators, forward and backward (`bigbatch.planner.cost`): what the time model
+    costs on a device."""
 
 
 # Autocast's lists (torch.amp): what runs in the low dtype, and what in float32.
@@ -171,6 +175,34 @@ def _recompute_inputs(module: nn.Module, names: Sequence[str], saved: _Saved) ->
             h.remove()
 
 
+@contextlib.contextmanager
+def _recompute_like_forward(ops: _GpuOps) -> Iterator[None]:
+    """Run `torch.utils.checkpoint`'s recomputation under the forward's `_GpuOps` too:
+    backward does not carry torch-function modes, so a recomputed attention would take the
+    meta device's math path and fail checkpoint's check that it recomputed the same
+    tensors. Its ``context_fn`` default is swapped for the duration (the engine's
+    recompute passes none)."""
+    from torch.utils import checkpoint as ckpt
+
+    target = getattr(ckpt.checkpoint, "__wrapped__", ckpt.checkpoint)
+    defaults = target.__kwdefaults__
+    if not defaults or "context_fn" not in defaults:
+        yield
+        return
+    saved = defaults["context_fn"]
+
+    def context_fn():
+        again = _GpuOps(ops.amp_dtype, ops.params)
+        again.weight_copies = ops.weight_copies
+        return contextlib.nullcontext(), again
+
+    defaults["context_fn"] = context_fn
+    try:
+        yield
+    finally:
+        defaults["context_fn"] = saved
+
+
 def probe(module: nn.Module, stages: Sequence[StageRun],
           names: dict[str, str], *, loss: Callable | None, targets: torch.Tensor | None,
           amp_dtype: torch.dtype | None = None, gathered_weights: bool = False,
@@ -187,9 +219,11 @@ def probe(module: nn.Module, stages: Sequence[StageRun],
     saved = _Saved(params, ops.weight_copies) if gathered_weights else _Saved(params)
     ctx = loss_context() if loss_context is not None else contextlib.nullcontext()
     with counting(out.comm, names), ops, _HostReads(), ctx, \
-            _recompute_inputs(module, recomputed, saved), \
-            torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            _recompute_inputs(module, recomputed, saved), _recompute_like_forward(ops), \
+            torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), \
+            cost_counting(out.cost) as backward:
         for stage in stages:
+            backward[0] = False
             x = stage.input
             if not stage.first:  # what a stage receives is a leaf that wants its gradient
                 x = x.detach().requires_grad_(True)
@@ -199,8 +233,10 @@ def probe(module: nn.Module, stages: Sequence[StageRun],
             if stage.last and loss is not None and targets is not None:
                 value = loss(y, targets)
                 value = value[0] if isinstance(value, tuple) else value
+                backward[0] = True
                 value.backward()
             else:
+                backward[0] = True
                 torch.autograd.backward(y, torch.ones_like(y))
     out.activations = saved.total
     for p in module.parameters():

@@ -6,7 +6,7 @@ from typing import Any
 
 from bigbatch.planner.counting import ACTIVATION_METHOD, GIB, KINDS, wire_bytes
 
-__all__ = ["count", "human", "render", "render_suggestions"]
+__all__ = ["count", "human", "render", "render_suggestions", "render_time", "seconds"]
 
 
 def human(nbytes: float | None) -> str:
@@ -98,17 +98,46 @@ def _wrap(line: str, width: int = 80) -> str:
     return "\n".join(textwrap.wrap(line, width, subsequent_indent="  "))
 
 
-def render_suggestions(rows: list[Any], gpu_memory: float | None, tried: int) -> str:
-    """The `--suggest` table: layouts that fit, least traffic first."""
+def seconds(t: float) -> str:
+    """A duration: ``1.23 s``, ``45.6 ms``, ``789 us``."""
+    if t >= 1:
+        return f"{t:.3g} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.3g} ms"
+    return f"{t * 1e6:.3g} us"
+
+
+def render_time(t: Any) -> str:
+    """The predicted step (`bigbatch.planner.timing.StepTime`) as text."""
+    lines = [f"predicted step on {t.device} ({t.dtype}): {seconds(t.seconds)}"]
+    for part, value in t.breakdown().items():
+        share = value / t.seconds if t.seconds else 0.0
+        lines.append(f"  {part:<30} {seconds(value):>10}  {share:>6.1%}")
+    lines.append(f"  {t.unit + '/s per device':<30} {t.per_device_rate:>10.4g}")
+    lines.append(f"  {'TFLOP/s per device (all run)':<30} {t.tflops_per_device:>10.4g}")
+    lines.append(f"  {'MFU (model FLOPs / peak)':<30} {t.mfu:>10.1%}")
+    return "\n".join(lines)
+
+
+def render_suggestions(rows: list[Any], gpu_memory: float | None, tried: int,
+                       times: list[Any] | None = None) -> str:
+    """The `--suggest` table: layouts that fit, fastest first (with `times`, each row's
+    `StepTime`), else least traffic first."""
+    order = "fastest first" if times is not None else "least traffic first"
     head = (f"layouts that fit {gpu_memory:g} GiB" if gpu_memory is not None
-            else "layouts") + f", least traffic first ({len(rows)} of {tried} tried)"
+            else "layouts") + f", {order} ({len(rows)} of {tried} tried)"
+    extra = f" {'step':>9} {'per dev/s':>9} {'MFU':>6}" if times is not None else ""
     lines = [head, f"  {'tp':>3} {'pp':>3} {'zero':>4} {'data':>5} {'micro x accum':>13} "
-             f"{'peak':>11} {'sent/step':>11} {'bubble':>7}"]
-    for plan_, _sets in rows:
+             f"{'peak':>11} {'sent/step':>11} {'bubble':>7}" + extra]
+    for i, (plan_, _sets) in enumerate(rows):
         d, b = plan_.degrees, plan_.batch
-        lines.append(f"  {d.tensor:>3} {d.pipeline:>3} {d.stage:>4} {d.data:>5} "
-                     f"{f'{b.micro_batch_size} x {b.k_steps}':>13} {human(plan_.worst.peak):>11} "
-                     f"{human(wire_bytes(plan_.busiest.comm)):>11} {plan_.bubble:>7.3f}")
+        row = (f"  {d.tensor:>3} {d.pipeline:>3} {d.stage:>4} {d.data:>5} "
+               f"{f'{b.micro_batch_size} x {b.k_steps}':>13} {human(plan_.worst.peak):>11} "
+               f"{human(wire_bytes(plan_.busiest.comm)):>11} {plan_.bubble:>7.3f}")
+        if times is not None:
+            t = times[i]
+            row += f" {seconds(t.seconds):>9} {t.per_device_rate:>9.4g} {t.mfu:>6.1%}"
+        lines.append(row)
     if not rows:
         lines.append("  none")
     else:

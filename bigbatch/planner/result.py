@@ -45,6 +45,17 @@ class RankPlan:
     offloaded: bool = False
     """`[sharding] offload`: sharded parameters, gradients and optimizer state live in host
     memory (the peak on the GPU leaves them out)."""
+    compute: Any = None
+    """Its operators for one micro-batch, forward and backward (`OpCost`; None without an
+    example input)."""
+    optimizer_cost: Any = None
+    """The operators of its optimizer step (`OpCost`)."""
+    micro_comm: CommCount = field(default_factory=CommCount)
+    """Collectives inside one micro-batch's forward and backward (tensor parallelism)."""
+    step_comm: CommCount = field(default_factory=CommCount)
+    """Collectives of the optimizer step (norms, clipping, ZeRO-1's broadcasts)."""
+    data_comm: CommCount = field(default_factory=CommCount)
+    """The data-parallel reductions, pipeline sends, tied-weight sums and item count."""
 
     @property
     def peak(self) -> int:
@@ -80,6 +91,14 @@ class LayoutPlan:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     strategy: Any = None
+    tokens_per_sample: int | None = None
+    """Tokens in one sample when the input is token ids (a language model), else None."""
+
+    def time(self, device: Any) -> Any:
+        """The predicted step on `device` (`bigbatch.planner.timing.StepTime`)."""
+        from bigbatch.planner.timing import step_time
+
+        return step_time(self, device)
 
     @property
     def worst(self) -> RankPlan:

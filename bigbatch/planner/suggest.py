@@ -1,4 +1,5 @@
-"""`--suggest`: the layouts of a world that fit a GPU, least traffic first.
+"""`--suggest`: the layouts of a world that fit a GPU, fastest first (by the time model,
+`bigbatch.planner.timing`; least traffic first without a device).
 
 Candidates keep the strategy's global batch and micro-batch and vary the tensor degree
 (powers of two up to 8: one node's NVLink domain), the pipeline degree (powers of two up
@@ -8,8 +9,8 @@ last stage only; a candidate the engine refuses is skipped. To keep this to minu
 a model of tens of billions of parameters: plans that differ only in their ZeRO stage
 share one micro-batch probe, and ZeRO-3 (the least memory) is planned first: when it
 does not fit, the other stages of that tensor and pipeline degree are not tried. "Least
-traffic" is the bytes the busiest rank sends per step under ring algorithms
-(`bigbatch.planner.counting.wire_bytes`).
+traffic" (the order without a device) is the bytes the busiest rank sends per step under
+ring algorithms (`bigbatch.planner.counting.wire_bytes`).
 """
 
 from __future__ import annotations
@@ -75,10 +76,12 @@ def candidates(strategy: Any, world: int) -> Iterator[tuple[list[str], Any]]:
 
 
 def suggest(strategy: Any, world: int, plan_one: Callable[[Any, dict], Any],
-            gpu_memory: float | None) -> tuple[list[tuple[Any, list[str]]], int]:
+            gpu_memory: float | None, seconds: Callable[[Any], float] | None = None
+            ) -> tuple[list[tuple[Any, list[str]]], int]:
     """Plan every candidate with `plan_one(strategy, probes)`; return the ones that fit
-    `gpu_memory` GiB (all, without it) as (plan, overrides), least traffic first, and how
-    many were tried."""
+    `gpu_memory` GiB (all, without it) as (plan, overrides), fastest first by
+    `seconds(plan)` (a predicted step time), else least traffic first, and how many were
+    tried."""
     probes: dict = {}
     fitting, tried, too_big = [], 0, set()
     for sets, candidate in candidates(strategy, world):
@@ -96,5 +99,8 @@ def suggest(strategy: Any, world: int, plan_one: Callable[[Any, dict], Any],
             shown = [s for s in sets if not s.endswith("=false") and "batch" not in s
                      and not s.endswith("_degree=1")]
             fitting.append((planned, shown))
-    fitting.sort(key=lambda row: (wire_bytes(row[0].busiest.comm), row[0].worst.peak))
+    if seconds is not None:
+        fitting.sort(key=lambda row: (seconds(row[0]), row[0].worst.peak))
+    else:
+        fitting.sort(key=lambda row: (wire_bytes(row[0].busiest.comm), row[0].worst.peak))
     return fitting, tried

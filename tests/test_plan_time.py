@@ -1,0 +1,223 @@
+"""The planner's time model: deterministic properties only (timing lives in
+benchmarks/plan_time.py and benchmarks/plan_anchors.py).
+
+Hand-computed collectives and links, FLOPs of known operators from torch's counter, the
+breakdown summing to the step, monotonicity in the device and the pipeline, device files
+read back and refused in one line, `--model module:function` through the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bigbatch.config.strategy import Strategy
+from bigbatch.errors import ConfigError
+from bigbatch.planner import plan
+from bigbatch.planner.calibrate import link_from_curve
+from bigbatch.planner.cost import OpCost, cost_counting
+from bigbatch.planner.devices import DEVICES, Device, Link, device, device_toml, load_device
+from bigbatch.planner.timing import collective_seconds, dim_link
+from bigbatch.tasks.charlm import CharTransformer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+H100 = DEVICES["h100"]
+
+
+def test_ring_and_tree_collectives_by_hand():
+    link = (100e9, 5e-6)
+    # all-gather of 800 MB over 8: 7 hops + 7/8 of it on the wire.
+    assert collective_seconds("all_gather", 800e6, 8, link) == pytest.approx(
+        7 * 5e-6 + 7 / 8 * 800e6 / 100e9)
+    # a large all-reduce: the ring (2 (n-1)/n S) beats the tree (2 S).
+    assert collective_seconds("all_reduce", 1e9, 8, link) == pytest.approx(
+        14 * 5e-6 + 2 * 7 / 8 * 1e9 / 100e9)
+    # a tiny one over 1024 ranks: the tree's 2 log2(n) hops beat the ring's 2 (n-1).
+    assert collective_seconds("all_reduce", 8, 1024, link) == pytest.approx(
+        20 * 5e-6 + 2 * 8 / 100e9)
+    # calls split the bytes and pay the hops each time.
+    assert collective_seconds("point_to_point", 2e9, 2, link, calls=4) == pytest.approx(
+        4 * (5e-6 + 0.5e9 / 100e9))
+    assert collective_seconds("all_reduce", 1e9, 1, link) == 0
+
+
+def test_links_follow_the_mesh():
+    intra, inter = H100.intra, H100.inter
+    assert dim_link(H100, 1, 8) == (intra.rate, intra.latency)      # tp 8: NVLink
+    assert dim_link(H100, 8, 64) == (inter.rate, inter.latency)     # dp over nodes, 1 a node
+    # 16 ranks 1 apart: 8 in a node share 8 NICs, capped by NVLink.
+    assert dim_link(H100, 1, 16) == (min(intra.rate, 8 * inter.rate), inter.latency)
+    assert dim_link(H100, 2, 16) == (4 * inter.rate, inter.latency)
+
+
+def test_flops_of_a_linear_from_torchs_counter():
+    layer = nn.Linear(64, 32, bias=False, device="meta")
+    x = torch.empty(8, 64, device="meta", requires_grad=True)
+    cost = OpCost()
+    with cost_counting(cost) as backward:
+        y = layer(x)
+        backward[0] = True
+        y.backward(torch.ones_like(y))
+    forward = 2 * 8 * 64 * 32
+    assert cost.forward_flops == forward
+    assert cost.flops == 3 * forward  # the input's and the weight's gradients
+    # roofline: compute-bound products cost flops / rate, plus one overhead a kernel.
+    dev = replace(H100, kernel_overhead=0.0, memory_bandwidth=1e30)
+    assert cost.seconds(dev) == pytest.approx(3 * forward / H100.matmul_rate("float32"))
+
+
+def test_views_are_free_and_causal_attention_is_half_the_work():
+    cost = OpCost()
+    q = torch.empty(2, 4, 128, 16, device="meta")
+    with cost_counting(cost):
+        q.transpose(1, 2).unsqueeze(0)[0].view(2, 128, 4, 16)
+    assert cost.kernels == 0 and cost.other_bytes == 0
+    for causal, share in ((True, 0.5), (False, 1.0)):
+        cost = OpCost()
+        with cost_counting(cost):
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.0, causal)
+        (dtype, flops, _, work), = cost.matmuls
+        assert flops == 4 * 2 * 4 * 128 * 128 * 16 and work == share
+
+
+def _strategy(**sections) -> Strategy:
+    return Strategy.from_dict({"batch": {"micro_batch_size": 2},
+                               "optimizer": {"type": "adamw"}, **sections})
+
+
+def _model() -> CharTransformer:
+    return CharTransformer(96, 64, d_model=64, n_layer=4, n_head=4)
+
+
+def _example(b: int):
+    return (torch.zeros(b, 64, dtype=torch.long),) * 2
+
+
+@pytest.fixture(scope="module")
+def zero3():
+    return plan(_model, _strategy(sharding={"stage": 3}), 16, example=_example)
+
+
+def test_breakdown_sums_to_the_step_and_rates_agree(zero3):
+    t = zero3.time(H100)
+    assert sum(t.breakdown().values()) == pytest.approx(t.seconds)
+    assert set(t.breakdown()) >= {"compute", "comm_dp_shard", "bubble", "optimizer"}
+    assert t.unit == "tokens" and zero3.tokens_per_sample == 64
+    assert t.per_device_rate == pytest.approx(32 * 64 / t.seconds / 16)
+    assert 0 < t.mfu < H100.matmul_efficiency
+    assert t.model_tflops_per_device <= t.tflops_per_device
+
+
+def test_a_faster_device_is_faster(zero3):
+    slow = zero3.time(H100)
+    for faster in (replace(H100, flops={k: 2 * v for k, v in H100.flops.items()}),
+                   replace(H100, memory_bandwidth=2 * H100.memory_bandwidth),
+                   replace(H100, inter=Link(10 * H100.inter.bandwidth, H100.inter.latency))):
+        assert zero3.time(faster).seconds <= slow.seconds
+    assert zero3.time(DEVICES["a100"]).seconds > slow.seconds
+
+
+def test_pipeline_bubble_shrinks_with_micro_batches_and_chunks():
+    def bubble_share(k: int, **pipe) -> float:
+        s = _strategy(pipeline={"enable": True, "pp_degree": 2, "accumulate_steps": k, **pipe})
+        t = plan(_model, s, 2, example=_example).time(H100)
+        assert t.bubble > 0
+        return t.bubble / t.seconds
+
+    assert bubble_share(8) < bubble_share(2)
+    assert bubble_share(4, schedule_mode="Interleaved1F1B", virtual_stages=2) < bubble_share(4)
+
+
+def test_device_file_round_trip_and_refusals(tmp_path):
+    path = tmp_path / "dev.toml"
+    path.write_text(device_toml(H100))
+    assert load_device(path) == H100
+    js = tmp_path / "dev.json"
+    js.write_text(json.dumps(DEVICES["cpu"].to_dict()))
+    assert load_device(js) == DEVICES["cpu"]
+    for text, key in (('name = "x"\n', "missing flops"),
+                      (device_toml(H100).replace("memory_bandwidth = ", "memory_bandwith = "),
+                       "unknown key 'memory_bandwith'"),
+                      (device_toml(H100).replace("latency = 3e-06", "latency = -1"),
+                       "latency = -1")):
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=key):
+            load_device(path)
+    with pytest.raises(ConfigError, match="not a known device"):
+        device("tpu")
+
+
+def test_calibrated_link_solves_the_ring_model():
+    link = Link(2e9, 50e-6, 1.0)
+    curve = {s: collective_seconds("all_reduce", s, 2, (link.rate, link.latency))
+             for s in (4096, 2**24)}
+    got = link_from_curve(curve)
+    assert got.bandwidth == pytest.approx(2e9) and got.latency == pytest.approx(50e-6)
+    assert isinstance(Device, type) and math.isfinite(got.rate)
+
+
+LLAMA = ["plan", "--model", "examples.llama:llama", "--model-opt", "d_model=64",
+         "--model-opt", "n_layer=2", "--model-opt", "n_head=4", "--model-opt", "n_kv_head=2",
+         "--model-opt", "hidden=128", "--model-opt", "vocab=256", "--seq-len", "32"]
+
+
+def test_cli_plans_your_own_model_and_its_time(capsys, monkeypatch):
+    from bigbatch.cli.main import main
+    from tests._cli import ROOT
+
+    monkeypatch.chdir(ROOT)
+    code = main([*LLAMA, "--world", "8", "--set", "tensor_parallel.tensor_parallel_degree=2",
+                 "--set", "sharding.stage=3", "--device", "h200", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["mesh"]["tp"] == 2 and d["comm_bytes_per_step"]["all_reduce"]["tp"] > 0
+    t = d["time"]
+    assert t["device"] == DEVICES["h200"].name and t["tokens_per_second_per_device"] > 0
+    assert sum(t["breakdown_seconds"].values()) == pytest.approx(t["step_seconds"])
+    assert "comm_tp" in t["breakdown_seconds"] and 0 < t["mfu"] < 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "examples.nothing:f", "--world", "2"], "--model 'examples.nothing:f'"),
+    (["--model", "examples.llama:nope", "--world", "2"], "has no 'nope'"),
+    ([*LLAMA[1:], "--world", "2", "--device", "tpu"], "--device 'tpu'"),
+    ([*LLAMA[1:], "--world", "2", "--device-file", "/nonexistent.toml"], "--device-file"),
+    ([*LLAMA[1:], "--world", "2", "--model-opt", "bad"], "--model-opt 'bad'"),
+    (["--task", "charlm", "--seq-len", "8", "--world", "2"], "--seq-len: only with --model"),
+    (["--task", "charlm"], "--world: required"),
+])
+def test_cli_refuses_bad_input_in_one_line(args, message, capsys, monkeypatch):
+    from bigbatch.cli.main import main
+    from tests._cli import ROOT
+
+    monkeypatch.chdir(ROOT)
+    code = main(["plan", *args])
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if "Warning" not in line]
+    assert code == 2 and out == ""
+    assert len(lines) == 1 and message in lines[0], err
+
+
+def test_llama_example_has_llama3_shapes():
+    import importlib
+
+    llama = importlib.import_module("examples.llama")
+    expected = {"llama3_8b": 8.03e9, "llama3_70b": 70.6e9, "llama3_405b": 405.9e9,
+                "megatron_1t": 1.008e12}
+    for name, params in expected.items():
+        with torch.device("meta"):
+            model = getattr(llama, name)()
+        assert sum(p.numel() for p in model.parameters()) == pytest.approx(params, rel=0.005)
+    with torch.device("meta"):
+        small = llama.llama(d_model=64, n_layer=1, n_head=4, n_kv_head=2, hidden=96, vocab=50)
+    out = small(torch.zeros(2, 16, dtype=torch.long, device="meta"))
+    assert out.shape == (2, 16, 50)
+    assert F.silu is not None  # SwiGLU's gate
