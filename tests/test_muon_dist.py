@@ -114,10 +114,7 @@ def _worker(cases=None) -> dict:
         model = make("llama")
         plan = (ModelPlan(tp_plan=LLAMA_TP_PLAN) if layout.startswith("tp2") else
                 ModelPlan(pipeline_layers=llama_layers(model)) if layout == "pp2" else None)
-        # nan_policy=None under tp2: the engine's non-finite guard adds a DTensor loss (loss
-        # parallel) to a plain flag and DTensor dispatch refuses it (not Muon's to fix).
-        run = prepare(model, strategy(layout, k), total_steps=STEPS, model_plan=plan,
-                      nan_policy=None if layout.startswith("tp2") else "stop")
+        run = prepare(model, strategy(layout, k), total_steps=STEPS, model_plan=plan)
         try:
             with CountCalls(("all_to_all_single",)) as moves:
                 out[(layout, k)] = (train(run, k), type(run.optimizer).__name__)
