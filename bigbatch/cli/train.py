@@ -59,7 +59,13 @@ def default_nproc() -> int:
 
 def add_train_arguments(t: argparse.ArgumentParser) -> None:
     """The flags of `bigbatch train`."""
-    t.add_argument("--config", metavar="FILE", help="strategy TOML (default: the task's demo)")
+    source = t.add_mutually_exclusive_group()
+    source.add_argument("--config", metavar="FILE",
+                        help="strategy TOML (default: the task's demo)")
+    source.add_argument("--fleet", metavar="FILE",
+                        help="a Fleet DistributedStrategy written in TOML with Fleet's names "
+                        "(lars_configs, gradient_merge_configs, ...): trains with Fleet's "
+                        "semantics, the overview shows the translation (docs/fleet.md)")
     t.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append",
                    default=[], help="override one strategy key (repeatable)")
     t.add_argument("--task", help="built-in task: mnist1d (default) or charlm")
@@ -156,9 +162,16 @@ def resolve(args: argparse.Namespace):
         "keep_checkpoints": args.keep_checkpoints, "nan_policy": args.nan_policy,
     }
     file = _file_keys(args.config) if args.config is not None else {}
+    fleet = None
+    if getattr(args, "fleet", None) is not None:
+        from bigbatch.config.fleet import translate
+
+        fleet = translate(Path(args.fleet))
+        file = {"warmup": True, **({"task": fleet.task} if fleet.task else {})}
+        given["fleet"] = str(args.fleet)
     if "task" in file:
         if args.task is not None and args.task != file["task"]:
-            raise ConfigError(f"--task {args.task}: {args.config} is written for task "
+            raise ConfigError(f"--task {args.task}: {args.config or args.fleet} is written for task "
                               f"{file['task']!r} (its `task` key); drop --task, or give a "
                               f"strategy file for {args.task}")
         given["task"] = file["task"]
@@ -181,7 +194,9 @@ def resolve(args: argparse.Namespace):
     config = TrainConfig(**fields)
 
     cls = task_class(config.task)
-    if args.config is not None:
+    if fleet is not None:
+        strategy = fleet.build()
+    elif args.config is not None:
         strategy = Strategy.from_toml(Path(args.config))
     elif resume and (out / "strategy.toml").is_file():
         strategy = Strategy.from_toml(out / "strategy.toml")
@@ -268,6 +283,8 @@ def _launch(args: argparse.Namespace, argv: list[str], config, strategy) -> int:
 
     _check_gpus(args.nproc, strategy)
     nnodes = args.nnodes
+    if nnodes is None or nnodes.isdigit():
+        _check_fleet_world(args, args.nproc * int(nnodes or 1))
     if nnodes is not None and not all(p.isdigit() and int(p) >= 1 for p in nnodes.split(":")):
         raise ConfigError(f"--nnodes={nnodes!r}: expected N or MIN:MAX with integers >= 1")
     if args.rdzv_endpoint is not None:
@@ -295,6 +312,18 @@ def _launch(args: argparse.Namespace, argv: list[str], config, strategy) -> int:
     with hold(config.out):
         env[LOCKED_ENV] = str(Path(config.out).resolve())
         return run_torchrun(_torchrun_argv(args, argv, timeout), env=env, **run)
+
+
+def _check_fleet_world(args: argparse.Namespace, world_size: int | None) -> None:
+    """A Fleet file's hybrid degrees name its process count: another one is refused."""
+    if getattr(args, "fleet", None) is None or world_size is None:
+        return
+    from bigbatch.config.fleet import translate
+
+    need = translate(Path(args.fleet)).world_size
+    if need is not None and need != world_size:
+        raise ConfigError(f"{args.fleet}: its degrees (hybrid_configs) need {need} processes, "
+                          f"this job starts {world_size}; use --nproc {need} (x --nnodes)")
 
 
 def _check_gpus(nproc: int, strategy: Any) -> None:
@@ -353,6 +382,7 @@ def run_train_command(args: argparse.Namespace, argv: list[str], config: Any,
         from bigbatch.parallel.world import World
 
         world = World.from_env() if worker else World()
+        _check_fleet_world(args, world.world_size)
         preflight(config, strategy, world.world_size, checks_out=world.rank == 0)
         if not worker:
             _notes(args, strategy)

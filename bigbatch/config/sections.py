@@ -33,6 +33,8 @@ from bigbatch.config.schedules import BATCH_SCHEDULES, DECAYS, WARMUP_STARTS
 from bigbatch.config.section_base import _f, _Section
 from bigbatch.errors import ConfigError
 
+MATCHES = ("substring", "suffix")
+
 __all__ = [
     "BUILTIN_POLICIES", "KEYS", "REDUCES", "SCHEDULES", "SECTIONS",
     "AdaptiveConfig", "AdaptiveLocalSGDConfig", "AmpConfig", "BatchConfig",
@@ -217,13 +219,27 @@ class LarsConfig(_Section):
     epsilon: float = _f(0.0, ge=0)
     """Added to the trust-ratio denominator for numerical safety."""
     exclude_from_weight_decay: tuple[str, ...] | None = _f(None)
-    """Parameter-name substrings with no weight decay and no trust ratio (Fleet's rule:
-    e.g. ["norm", "bias"]); a pattern that matches nothing is warned about. Unset: every
-    tensor with ndim <= 1 (biases, norm gains) is excluded; [] excludes nothing."""
+    """Parameter-name patterns with no weight decay and no trust ratio (Fleet's rule:
+    e.g. ["norm", "bias"]), matched as `exclude_match` says; a pattern that matches
+    nothing is warned about. Unset: every tensor with ndim <= 1 (biases, norm gains) is
+    excluded; [] excludes nothing."""
+    exclude_match: str = _f("substring", choices=MATCHES)
+    """How exclude_from_weight_decay patterns match parameter names: substring (Fleet's
+    LARS: `pattern in name`) or suffix (`name.endswith(pattern)`)."""
     trust_clip: bool = _f(False)
     """Clip the trust ratio at 1 (LARC-style)."""
     always_adapt: bool = _f(False)
     """Apply the trust ratio also to excluded parameters."""
+    adapt_without_weight_decay: bool = _f(True)
+    """Apply the trust ratio to tensors whose LARS weight decay is 0. false: Fleet's
+    lars_momentum rule, where a tensor with no weight decay (lars_weight_decay = 0, or
+    excluded) takes a plain momentum step at the global LR."""
+
+    def _check(self) -> None:
+        if self.always_adapt and not self.adapt_without_weight_decay:
+            raise ConfigError("lars.always_adapt = true gives excluded tensors a trust ratio, "
+                              "lars.adapt_without_weight_decay = false takes it away from "
+                              "every tensor without weight decay; set one of them")
 
 
 @dataclass(frozen=True)
@@ -237,16 +253,24 @@ class LambConfig(_Section):
     lamb_weight_decay: float = _f(0.01, ge=0)
     """Decoupled weight decay inside the LAMB update (replaces optimizer.weight_decay)."""
     exclude_from_weight_decay: tuple[str, ...] | None = _f(None)
-    """Parameter-name substrings with no weight decay and no trust ratio (Fleet's rule:
-    e.g. ["norm", "bias"]); a pattern that matches nothing is warned about. Unset: every
-    tensor with ndim <= 1 (biases, norm gains) is excluded; [] excludes nothing."""
+    """Parameter-name patterns with no weight decay and, unless always_adapt, no trust
+    ratio (e.g. ["norm", "bias"]), matched as `exclude_match` says; a pattern that matches
+    nothing is warned about. Unset: every tensor with ndim <= 1 (biases, norm gains) is
+    excluded; [] excludes nothing. Fleet's lamb keeps the trust ratio of excluded tensors
+    and matches names by suffix: always_adapt = true, exclude_match = "suffix"."""
+    exclude_match: str = _f("substring", choices=MATCHES)
+    """How exclude_from_weight_decay patterns match parameter names: substring
+    (`pattern in name`) or suffix (`name.endswith(pattern)`, Fleet's lamb)."""
+    bias_correction: bool = _f(True)
+    """Divide Adam's moments by 1 - beta^t. false: the moments as they are, as in the
+    LAMB equations of Fleet's large-batch guide (r = m / (sqrt(v) + eps))."""
     max_grad_norm: float | None = _f(None, gt=0)
     """NVIDIA's LAMB pre-normalisation, g / max(1, |g| / max_grad_norm): the same clipping
     as optimizer.max_grad_norm (set one of the two)."""
     trust_clip: bool = _f(False)
     """Clip the trust ratio at 1."""
     always_adapt: bool = _f(False)
-    """Apply the trust ratio also to excluded parameters."""
+    """Apply the trust ratio also to excluded parameters (Fleet's lamb does)."""
 
 
 @dataclass(frozen=True)
@@ -261,6 +285,11 @@ class GradientMergeConfig(_Section):
     """Micro-steps merged per optimizer step; unset: derived from the batch sizes."""
     avg: bool = _f(True)
     """true: the merged gradient is the mean over micro-steps; false: the sum."""
+    bn_momentum: str = _f("per_micro_step", choices=("per_micro_step", "merged"))
+    """BatchNorm running statistics under a merge: per_micro_step (each micro-step's
+    update at the layer's momentum m: k updates per optimizer step) or merged (momentum
+    1 - (1 - m)^(1/k) per micro-step, so the k updates of one step decay the running
+    statistics as one update of the big batch at m would)."""
 
 
 @dataclass(frozen=True)
@@ -285,6 +314,19 @@ class AmpConfig(_Section):
     """Factor by which the scale shrinks."""
     use_dynamic_loss_scaling: bool = _f(True)
     """false: keep init_loss_scaling fixed (overflow steps are still skipped)."""
+    custom_white_list: tuple[str, ...] = _f(())
+    """Ops run in the low dtype whatever autocast's own lists say (Fleet's name), e.g.
+    ["softmax", "layer_norm"]: torch function names (F.softmax -> "softmax"; Paddle's
+    op names matmul_v2, elementwise_add, lookup_table_v2, ... are accepted too)."""
+    custom_black_list: tuple[str, ...] = _f(())
+    """Ops run in float32 whatever autocast's own lists say (Fleet's name), e.g.
+    ["linear", "matmul"]; names as in custom_white_list."""
+
+    def _check(self) -> None:
+        both = set(self.custom_white_list) & set(self.custom_black_list)
+        if both:
+            raise ConfigError(f"amp: {sorted(both)[0]!r} is in both custom_white_list and "
+                              "custom_black_list; keep it in one")
 
 
 @dataclass(frozen=True)

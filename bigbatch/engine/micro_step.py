@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from bigbatch.engine.amp_lists import amp_context
 from bigbatch.engine.merge import MergeWindow
 
 __all__ = ["MicroStep"]
@@ -36,7 +37,7 @@ class MicroStep:
                  check: Callable[[torch.Tensor, bool], bool] | None = None) -> None:
         self._window = window
         self._scaler = scaler
-        self._autocast = autocast  # (device type, dtype) or None
+        self._autocast = autocast  # (device type, dtype[, white list, black list]) or None
         self._loss_parallel = loss_parallel
         self._local_sgd = local_sgd
         self._timing = timing
@@ -62,7 +63,7 @@ class MicroStep:
 
             self._contexts.append(loss_parallel_if(True))
         if self._autocast is not None:
-            self._contexts.append(torch.autocast(self._autocast[0], dtype=self._autocast[1]))
+            self._contexts.append(amp_context(*self._autocast))
         for ctx in self._contexts:
             ctx.__enter__()
         return self

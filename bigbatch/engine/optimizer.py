@@ -59,28 +59,34 @@ def _groups(model: nn.Module, strategy: Any, weight_decay: float,
     """`exclusion_groups`, or under [muon] its groups (`muon_param_groups`: Muon's matrices,
     AdamW's matrices named by muon.adamw_params, AdamW's undecayed tensors)."""
     if not strategy.muon.enable:
-        return exclusion_groups(model, weight_decay, exclude, warn)
+        groups = exclusion_groups(model, weight_decay, exclude, warn, _match(strategy))
+        if strategy.lars.enable and not strategy.lars.adapt_without_weight_decay:
+            for g in groups:  # Fleet's lars_momentum: no weight decay, no trust ratio
+                g["layer_adaptation"] = g["layer_adaptation"] and g["weight_decay"] > 0
+        return groups
     from bigbatch.optim import muon_param_groups
 
     return muon_param_groups(model, weight_decay, strategy.muon.adamw_params, exclude)
 
 
 def exclusion_groups(model: nn.Module, weight_decay: float, exclude: tuple[str, ...] | None,
-                     warn: bool = True) -> list[dict[str, Any]]:
+                     warn: bool = True, match: str = "substring") -> list[dict[str, Any]]:
     """Param groups: decayed, and excluded (weight decay 0, no trust ratio).
 
     `exclude` None: the default rule, every tensor with ndim <= 1 (biases, norm gains;
-    nanoGPT's and timm's convention). A tuple: Fleet's rule, parameter-name substrings;
+    nanoGPT's and timm's convention). A tuple: Fleet's rule, parameter-name substrings
+    (`match` "suffix": name endings, Fleet's lamb);
     a pattern that matches no parameter gets a one-line warning naming it (`warn`).
     """
     from bigbatch.optim import param_groups
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     for pattern in exclude if warn and exclude else ():
-        if not any(pattern in name for name, _ in named):
+        if not any(pattern in name if match == "substring" else name.endswith(pattern)
+                   for name, _ in named):
             log.warning("warning: exclude_from_weight_decay pattern %r matches no parameter "
                         "(names look like %r)", pattern, named[0][0] if named else "")
-    return param_groups(named, weight_decay, exclude)
+    return param_groups(named, weight_decay, exclude, match)
 
 
 def exclusion_summary(optimizer: torch.optim.Optimizer, group: Any = None,
@@ -138,6 +144,7 @@ def _recipe(model: nn.Module, strategy: Any, lr: float
             weight_decay=lamb.lamb_weight_decay,
             trust_clip=lamb.trust_clip,
             always_adapt=lamb.always_adapt,
+            bias_correction=lamb.bias_correction,
         ), _patterns(lamb.exclude_from_weight_decay)
     if strategy.muon.enable:
         from bigbatch.optim import Muon
@@ -166,6 +173,14 @@ def _recipe(model: nn.Module, strategy: Any, lr: float
         weight_decay=o.weight_decay,
         **fast,
     ), exclude
+
+
+def _match(strategy: Any) -> str:
+    """How the exclusion patterns in force match names (`exclude_match` of [lars]/[lamb])."""
+    for section in (strategy.lars, strategy.lamb):
+        if section.enable:
+            return section.exclude_match
+    return "substring"
 
 
 def _patterns(exclude: Any) -> tuple[str, ...] | None:

@@ -123,6 +123,10 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if strategy.recompute.enable:  # names checked on the whole model, before any group
         check_recompute(model, list(strategy.recompute.checkpoints))
+    if strategy.gradient_merge.enable and strategy.gradient_merge.bn_momentum == "merged":
+        from bigbatch.engine.bn_merge import merge_bn_momentum
+
+        merge_bn_momentum(model, plan.k_steps)
     needs_gns = _adaptive.check(strategy, plan)  # before any process group exists
     if local_grad_norm is None:
         local_grad_norm = needs_gns

@@ -20,6 +20,7 @@ from bigbatch.engine import saving as _saving
 from bigbatch.engine import state as _run_state
 from bigbatch.engine import step as _step
 from bigbatch.engine.amp import LossScaler
+from bigbatch.engine.amp_lists import amp_context
 from bigbatch.engine.batch import BatchControl
 from bigbatch.engine.clock import ScheduleClock
 from bigbatch.engine.grad_info import GradInfo, grad_info
@@ -210,7 +211,7 @@ class Run:
         """Context for one micro-step's forward and backward (see the module example)."""
         dtype = self.autocast_dtype
         return MicroStep(self.window, scaler=self.scaler, loss_parallel=self._loss_parallel,
-                         autocast=None if dtype is None else (self.world.device.type, dtype),
+                         autocast=None if dtype is None else self._amp_args(),
                          local_sgd=self.local_sgd, timing=self.timing, finish=self._finish_step,
                          skip=self.skip_step, add_time=self._add_step_time,
                          check=self._check_loss if self.nan_guard is not None else None)
@@ -267,7 +268,13 @@ class Run:
         forward outside `micro_step()`, so it runs in the precision training used."""
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.world.device.type, dtype=self.autocast_dtype)
+        return amp_context(*self._amp_args())
+
+    def _amp_args(self) -> tuple[Any, ...]:
+        """autocast's device type and dtype, and [amp]'s custom white and black lists."""
+        amp = self.strategy.amp
+        return (self.world.device.type, self.autocast_dtype, amp.custom_white_list,
+                amp.custom_black_list)
 
     def loss_parallel(self) -> Any:
         """Context for a loss computed outside `micro_step()` (evaluation): torch's

@@ -41,18 +41,20 @@ def default_no_decay(name: str, param: torch.Tensor) -> bool:
     return param.ndim <= 1
 
 
-def _matches(name: str, patterns: Sequence[str]) -> bool:
+def _matches(name: str, patterns: Sequence[str], match: str = "substring") -> bool:
+    if match == "suffix":
+        return any(name.endswith(p) for p in patterns)
     return any(p in name for p in patterns)
 
 
 def param_groups(model_or_params, weight_decay: float,
-                 exclude: Sequence[str] | None = None) -> list[dict]:
+                 exclude: Sequence[str] | None = None, match: str = "substring") -> list[dict]:
     """Split parameters into a decay group and a no-decay group.
 
     ``model_or_params`` is an ``nn.Module`` or an iterable of ``(name, param)``.
     A parameter is excluded when its name contains one of the ``exclude``
-    substrings (Fleet's ``exclude_from_weight_decay``, e.g. ``("bn", "bias")``);
-    with ``exclude=None`` the default rule applies: every tensor with
+    substrings (Fleet's ``exclude_from_weight_decay``, e.g. ``("bn", "bias")``), or
+    ends with one when ``match="suffix"`` (Fleet's lamb); with ``exclude=None`` the default rule applies: every tensor with
     ``ndim <= 1`` (biases and normalisation weights) is excluded.
 
     Excluded parameters get ``weight_decay=0`` and ``layer_adaptation=False``
@@ -61,6 +63,8 @@ def param_groups(model_or_params, weight_decay: float,
     ``layer_adaptation`` and ``param_names`` keys, so the same groups serve an
     AdamW or SGD baseline. Empty groups are dropped.
     """
+    if match not in ("substring", "suffix"):
+        raise ValueError(f"param_groups: match={match!r} should be 'substring' or 'suffix'")
     named = list(model_or_params.named_parameters()) if isinstance(
         model_or_params, torch.nn.Module) else list(model_or_params)
     if named and not _is_named(named):
@@ -69,7 +73,8 @@ def param_groups(model_or_params, weight_decay: float,
     for name, p in named:
         if not p.requires_grad:
             continue
-        excluded = default_no_decay(name, p) if exclude is None else _matches(name, exclude)
+        excluded = (default_no_decay(name, p) if exclude is None
+                    else _matches(name, exclude, match))
         (no_decay if excluded else decay).append((name, p))
     groups = []
     if decay:

@@ -74,6 +74,10 @@ class TrainConfig:
     cut short, or files copied without their ``.json``. Its payload is still read as
     tensors and plain data only; a manifest that does not match is never accepted."""
 
+    fleet: str | None = None
+    """The Fleet strategy file the Strategy was translated from (`--fleet`): the run's
+    header shows the translation (`bigbatch.config.fleet`)."""
+
     def __post_init__(self) -> None:
         if self.epochs is not None and self.steps is not None:
             raise ConfigError("give --epochs or --steps, not both")

@@ -17,9 +17,10 @@ __all__ = ["header_lines"]
 def header_lines(run: Any, strategy: Any, out: Path, sampler: Any, saved: Any,
                  steps_per_epoch: int | None, total_steps: int, lr_found: dict | None,
                  warmup_note: str | None, *, resumed: bool,
-                 data_note: str | None = None) -> list[str]:
+                 data_note: str | None = None, fleet: str | None = None) -> list[str]:
     """What `bigbatch train` prints under its progress bar before training; `data_note`
-    (the task's `data_note()`) says which data set it trains on, first."""
+    (the task's `data_note()`) says which data set it trains on, first; `fleet`: the Fleet
+    strategy file the strategy came from, whose translation precedes the overview."""
     data = [data_note] if data_note else []
     if resumed:
         lines = [*data, f"resuming {out} from step {run.step} (epoch {sampler.epoch}, "
@@ -27,6 +28,10 @@ def header_lines(run: Any, strategy: Any, out: Path, sampler: Any, saved: Any,
         moved = saved is not None and resume_line(saved, run.plan, run.world.world_size,
                                                   run.unit_batch_size, strategy)
         return lines + ([moved] if moved else [])
+    if fleet is not None:
+        from bigbatch.config.fleet import translate
+
+        data.append(translate(fleet).table())
     lines = [*data, strategy.overview(run.world.world_size, steps_per_epoch=steps_per_epoch,
                                       total_steps=total_steps, lr_find=lr_found)]
     if warmup_note is not None:

@@ -179,7 +179,8 @@ class _Trainer:
                                bar=config.progress)
         for line in header_lines(run, strategy, self.out, self.sampler, saved, spe,
                                  self.total_steps, self.lr_found, warmup_note,
-                                 resumed=ckpt is not None, data_note=task.data_note()):
+                                 resumed=ckpt is not None, data_note=task.data_note(),
+                                 fleet=config.fleet):
             self.bar.print(line)
 
     def _restore(self, ckpt: dict) -> None:
