@@ -1,0 +1,176 @@
+"""The Fleet keys bigbatch gained for `--fleet`, each by what it does: AMP's custom op
+lists (CPU bfloat16), BatchNorm momentum under a merge, hybrid_configs' degrees,
+"F-then-B", the Fleet file through the real CLI (its translation in the header, a wrong
+process count and each key bigbatch cannot honour refused in one line, exit 2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from _cli import in_process
+from torch import nn
+
+from bigbatch.config.fleet import translate
+from bigbatch.config.parallelism import degrees
+from bigbatch.config.strategy import Strategy
+from bigbatch.engine.bn_merge import merged_momentum
+from bigbatch.engine.prepare import prepare
+from bigbatch.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+OPTIMIZER = '[optimizer]\ntype = "Momentum"\nlearning_rate = 0.1\n'
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(torch.softmax(self.norm(self.fc(x)), -1))
+
+
+def _dtypes(lists: dict) -> dict[str, torch.dtype]:
+    """The output dtype of each layer (and of softmax) in one micro-step under [amp]."""
+    torch.manual_seed(0)
+    net = Net()
+    strategy = Strategy.from_dict({"batch": {"global_batch_size": 4}, "amp": {
+        "dtype": "bfloat16", **lists}})
+    run = prepare(net, strategy, total_steps=1, nan_policy=None)
+    seen = {}
+    for name in ("fc", "norm", "head"):
+        getattr(net, name).register_forward_hook(
+            lambda m, i, o, name=name: seen.__setitem__(name, o.dtype))
+    with run.micro_step() as ms:
+        out = run.model(torch.randn(4, 4))
+        seen["softmax"] = net.norm(net.fc(torch.randn(4, 4))).softmax(-1).dtype
+        ms.backward(out.float().pow(2).mean())
+    assert ms.stepped
+    return seen
+
+
+def test_amp_custom_lists_run_listed_ops_in_listed_dtype():
+    plain = _dtypes({})
+    assert plain["fc"] == plain["head"] == torch.bfloat16  # autocast's own choice
+    lists = _dtypes({"custom_black_list": ["linear"],
+                     "custom_white_list": ["layer_norm", "softmax"]})
+    assert lists["fc"] == lists["head"] == torch.float32  # black: float32
+    assert lists["norm"] == lists["softmax"] == torch.bfloat16  # white: low precision
+    paddle = _dtypes({"custom_black_list": ["mul"]})  # Paddle's name of a matmul layer
+    assert paddle["fc"] == torch.float32
+
+
+def test_amp_lists_and_pure_fp16_from_fleet():
+    t = translate("batch_size = 4\namp = true\n[amp_configs]\ncustom_white_list = "
+                  '["softmax"]\ncustom_black_list = ["layer_norm"]\nuse_fp16_guard = false\n'
+                  + OPTIMIZER)
+    amp = t.build().amp
+    assert (amp.custom_white_list, amp.custom_black_list) == (("softmax",), ("layer_norm",))
+    assert amp.decr_ratio == 0.8  # Fleet's default, not bigbatch's 0.5
+    assert any(k == "amp_configs.use_fp16_guard" for k, _ in t.rows)
+    with pytest.raises(ConfigError, match="use_pure_fp16"):
+        translate("batch_size = 4\namp = true\n[amp_configs]\nuse_pure_fp16 = true\n"
+                  + OPTIMIZER)
+
+
+@pytest.mark.parametrize("mode", ["merged", "per_micro_step"])
+def test_bn_momentum_under_merge_follows_the_big_batch(mode):
+    """k identical micro-batches: "merged" leaves the running mean where one update of
+    the big batch at momentum 0.1 puts it; per micro-step it moves k times."""
+    k, m = 4, 0.1
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 5), nn.BatchNorm1d(5, momentum=m))
+    strategy = Strategy.from_dict({"batch": {"micro_batch_size": 8},
+                                   "gradient_merge": {"k_steps": k, "bn_momentum": mode}})
+    run = prepare(net, strategy, total_steps=1, nan_policy=None)
+    x = torch.randn(8, 3)
+    with torch.no_grad():
+        batch_mean = net[0](x).mean(0)
+    start = net[1].running_mean.clone()
+    for _ in range(k):
+        with run.micro_step() as ms:
+            ms.backward(run.model(x).pow(2).mean())
+    big = (1 - m) * start + m * batch_mean
+    if mode == "merged":
+        assert net[1].momentum == pytest.approx(merged_momentum(m, k))
+        torch.testing.assert_close(net[1].running_mean, big, rtol=1e-5, atol=1e-6)
+    else:
+        assert not torch.allclose(net[1].running_mean, big, atol=1e-3)
+    assert (1 - merged_momentum(m, k)) ** k == pytest.approx(1 - m)
+
+
+def test_hybrid_configs_lay_out_fleet_degrees():
+    t = translate("batch_size = 4\n[hybrid_configs]\ndp_degree = 2\nmp_degree = 2\n"
+                  + OPTIMIZER)
+    assert t.world_size == 4
+    d = degrees(t.build(), 4)
+    assert (d.data, d.tensor, d.pipeline) == (2, 2, 1)
+    t = translate("batch_size = 4\n[hybrid_configs]\ndp_degree = 2\nsharding_degree = 2\n"
+                  + OPTIMIZER)
+    s = t.build()
+    assert t.world_size == 4 and degrees(s, 4).data == 4  # Fleet's dp x sharding ranks
+    assert s.sharding.enable and s.sharding.sharding_degree == 2 and s.sharding.stage == 1
+    with pytest.raises(ConfigError, match="sharding.stage=1") as e:  # ZeRO-1 is DDP's
+        translate("batch_size = 4\n[hybrid_configs]\nmp_degree = 2\nsharding_degree = 2\n"
+                  + OPTIMIZER).build()
+    assert "\n" not in str(e.value)
+    p = translate("pipeline = true\n[hybrid_configs]\npp_degree = 2\n[pipeline_configs]\n"
+                  'micro_batch_size = 2\naccumulate_steps = 4\nschedule_mode = "F-then-B"\n'
+                  + OPTIMIZER).build()
+    assert (p.pipeline.schedule_mode, p.pipeline.pp_degree) == ("GPipe", 2)
+    assert degrees(p, 2).pipeline == 2 and p.resolve(1).k_steps == 4
+
+
+@pytest.mark.parametrize("text, named", [
+    ("a_sync = true\n[a_sync_configs]\nk_steps = 4\n", "a_sync_configs.k_steps=4"),
+    ("recompute = true\n[recompute_configs]\ncheckpoints = ['fc']\nenable_offload = true\n",
+     "recompute_configs.enable_offload"),
+    ("tensor_parallel = true\n[tensor_parallel_configs]\ntensor_parallel_degree = 2\n"
+     "tensor_init_seed = 7\n", "tensor_init_seed"),
+    ("heter_ccl_mode = true\n", "heter_ccl_mode"),
+    ("lamb = true\n", 'optimizer.type = "Adam"'),
+])
+def test_what_bigbatch_cannot_honour_is_refused_by_name(text, named):
+    with pytest.raises(ConfigError) as e:
+        translate("batch_size = 4\n" + text + OPTIMIZER).build()
+    assert named in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+def test_cli_header_shows_the_translation(tmp_path, cache, capsys):
+    from bigbatch.cli.main import main
+
+    args = ["train", "--fleet", str(ROOT / "examples/fleet/train_fleet_gradient_merge.toml"),
+            "--task-opt", "num_samples=1000", "--model", "mlp", "--steps", "2", "--nproc", "1",
+            "--no-progress", "--no-tensorboard", "--out", str(tmp_path / "run")]
+    with in_process(cache):
+        assert main(args) == 0
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "gradient_merge_configs.k_steps -> gradient_merge.k_steps = 4" in text
+    assert "(Fleet scales no LR) -> batch.scaling = \"none\"" in text
+    assert "32 x 4 x 1" in text and "at global batch 128" in text  # the merge grew it
+
+
+def test_cli_refuses_in_one_line(tmp_path, cache, capsys):
+    from bigbatch.cli.main import main
+
+    bad = tmp_path / "geo.toml"
+    bad.write_text("batch_size = 4\na_sync = true\n[a_sync_configs]\nk_steps = 2\n" + OPTIMIZER)
+    hybrid = tmp_path / "hybrid.toml"
+    hybrid.write_text("batch_size = 4\n[hybrid_configs]\ndp_degree = 2\n" + OPTIMIZER)
+    for path, named in ((bad, "a_sync_configs.k_steps=2"), (hybrid, "need 2 processes")):
+        with in_process(cache):
+            assert main(["train", "--fleet", str(path), "--nproc", "1",
+                         "--out", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and named in err, err
+        assert not (tmp_path / "x").exists()
