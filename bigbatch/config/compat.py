@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from bigbatch.config.batch_schedule_rows import BATCH_SCHEDULE_ROWS, batch_changer
-from bigbatch.config.comm import LOSSY, local_sgd_section, reduce_mode
+from bigbatch.config.comm import LOSSY, adasum_target, local_sgd_section, reduce_mode
 from bigbatch.config.conflict import NO_CONTEXT, Conflict, Context
 from bigbatch.config.lr_find_rows import LR_FIND_ROWS
 from bigbatch.config.schedules import growth_of
@@ -387,6 +387,12 @@ CONFLICTS: tuple[Conflict, ...] = (
       "the noise scale needs the mean of the workers' gradients", "use reduce='mean'",
       {"data_parallel": {"reduce": "adasum"}, "adaptive": _NOISE}, Context(run=True),
       lambda s, c: {"on": _gns_key(s)}),
+    C("adasum-delta-fp16", 'data_parallel.reduce = "adasum" on deltas', "amp.dtype = float16",
+      lambda s, c: adasum_target(s) == "delta" and _fp16(s),
+      "{a} (adasum_on, optimizer.type adamw) with {b}: {reason}; {fix}",
+      "each worker's loss scaler would see only its own gradient's overflows, so workers "
+      "would skip different steps", 'use amp.dtype = "bfloat16", or adasum_on = "gradient"',
+      {"data_parallel": {"reduce": "adasum", "adasum_on": "delta"}, "amp": {"dtype": "float16"}}),
     C("dgc-own-optimizer", 'data_parallel.reduce = "dgc" ([dgc])', "prepare(optimizer=...)",
       lambda s, c: c.own_optimizer and c.distributed and reduce_mode(s) == "dgc",
       'data_parallel.reduce = "dgc" {reason}; {fix}', "applies momentum and weight decay "

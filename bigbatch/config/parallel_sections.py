@@ -27,6 +27,15 @@ class DataParallelConfig(_Section):
     reduce: str = _f("mean", choices=REDUCES)
     """How worker gradients combine: mean (all-reduce average), adasum, fp16 or bf16 (the mean
     sent at half precision), powersgd (low-rank with error feedback) or dgc (top-k, see [dgc])."""
+    adasum_on: str = _f("auto", choices=("auto", "gradient", "delta"))
+    """reduce = "adasum": what is combined. delta: each worker steps its optimizer on its own
+    gradient and the weight changes are Adasum-reduced (Horovod's Adasum optimizer); gradient:
+    the gradients are (the paper's rule for momentum SGD); auto: delta for optimizer.type =
+    "adamw" (AdamW, LAMB), gradient for "momentum" (SGD, LARS)."""
+    adasum_lr: str = _f("worker", choices=("worker", "global"))
+    """reduce = "adasum": the peak LR. worker: batch.scaling applied to one worker's batch
+    (Horovod's documented rule: the best single-worker LR, not scaled by the worker count);
+    global: applied to the global batch, as for the mean."""
     powersgd_rank: int = _f(2, ge=1)
     """reduce = "powersgd": rank of the low-rank approximation of each gradient matrix."""
     start_powersgd_iter: int = _f(10, ge=2)

@@ -338,11 +338,18 @@ class Strategy:
 
     def batch_plan(self, global_batch_size: int, micro_batch_size: int, k_steps: int,
                    world_size: int) -> BatchPlan:
-        """The plan of these sizes: scale and peak LR by ``batch.scaling`` (no checks)."""
+        """The plan of these sizes: scale and peak LR by ``batch.scaling`` (no checks).
+
+        Adasum with ``data_parallel.adasum_lr = "worker"`` (Horovod's rule): the LR of one
+        worker's batch, since Adasum does not average the workers' contributions."""
         b = self.batch
         scale = global_batch_size / b.base_batch_size
+        dp = self.data_parallel
+        lr_scale = scale
+        if dp.reduce == "adasum" and dp.adasum_lr == "worker":
+            lr_scale = scale / world_size
         return BatchPlan(int(global_batch_size), int(micro_batch_size), int(k_steps),
-                         int(world_size), scale, scale_lr(b.base_lr, scale, b.scaling))
+                         int(world_size), scale, scale_lr(b.base_lr, lr_scale, b.scaling))
 
     def overview(
         self,

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bigbatch.config.comm import local_sgd_section
+from bigbatch.config.comm import adasum_target, local_sgd_section
 from bigbatch.config.compat import Context, check
 from bigbatch.config.parallelism import check_pipeline_plan, degrees
 from bigbatch.engine import adaptive as _adaptive
@@ -184,6 +184,12 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
 
         local = LocalSGD([p for p in model.parameters() if p.requires_grad], optimizer, section)
         inner = local.hook
+    delta = None
+    if world.is_distributed and not deg.needs_mesh and adasum_target(strategy) == "delta":
+        from bigbatch.parallel.adasum_delta import AdasumDelta, keep_local_hook
+
+        delta = AdasumDelta(list(model.parameters()), optimizer)
+        inner = (keep_local_hook, None)
     wrapped, comm = model, None
     if world.is_distributed and not deg.needs_mesh:
         wrapped, comm = wrap_data_parallel(model, world.device, dp, bool(local_grad_norm), inner)
@@ -200,6 +206,8 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
     if comm is not None and hasattr(comm.inner_state, "grad_factor"):
         comm.inner_state.grad_factor = functools.partial(run.window.grad_factor,
                                                          mesh.data_degree)
+    if delta is not None:
+        run.adasum_delta = delta
     if local is not None:
         run.local_sgd = run.state_objects["local_sgd"] = local
         run.step_hooks.append(lambda r: local.after_step(r.step, r.last_lr))

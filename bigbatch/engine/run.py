@@ -109,6 +109,9 @@ class Run:
         `stats()` method add to `run.stats`."""
         self.adaptive: Any = None
         """The `[adaptive]` controller (`bigbatch.engine.adaptive.Adaptive`), None when off."""
+        self.adasum_delta: Any = None
+        """`bigbatch.parallel.adasum_delta.AdasumDelta` when Adasum combines the optimizer's
+        weight changes (`data_parallel.adasum_on`)."""
         self.local_sgd: Any = None
         """`bigbatch.parallel.local_sgd.LocalSGD` of `[localsgd]`/`[adaptive_localsgd]` runs on
         several workers, else None."""
@@ -319,6 +322,8 @@ class Run:
         or saving; `state_dict()` does it itself). Every worker calls it; else a no-op."""
         if self.local_sgd is not None:
             self.local_sgd.synchronize()
+        if self.adasum_delta is not None:  # per-worker moments under Adasum on deltas
+            self.adasum_delta.synchronize()
 
     def skip_step(self) -> None:
         """Drop the merge window's gradients: no optimizer step, the schedule stays. For a
