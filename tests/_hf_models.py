@@ -286,3 +286,17 @@ def gpt2_layers(model: GPT2) -> list:
 def make(name: str) -> nn.Module:
     torch.manual_seed(0)
     return {"llama": Llama, "gpt2": GPT2, "bert": Bert}[name]()
+
+
+def token_batches(steps: int, batch: int, seq: int = SEQ, seed: int = 5) -> torch.Tensor:
+    """`steps` batches of `batch` random token rows of `seq + 1` (inputs and shifted targets)."""
+    return torch.randint(0, VOCAB, (steps, batch, seq + 1),
+                         generator=torch.Generator().manual_seed(seed))
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model`'s state dict with every DTensor gathered whole, detached copies."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in model.state_dict().items()}

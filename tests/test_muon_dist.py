@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _dist import CountCalls, run_workers
-from _hf_models import LLAMA_TP_PLAN, VOCAB, llama_layers, make
+from _hf_models import LLAMA_TP_PLAN, full_state, llama_layers, make, token_batches
 
 from bigbatch.config.strategy import Strategy
 from bigbatch.engine.prepare import prepare
@@ -51,15 +51,7 @@ def strategy(layout: str | None, k: int = 1) -> Strategy:
 
 
 def tokens() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (STEPS, GLOBAL, SEQ + 1),
-                         generator=torch.Generator().manual_seed(5))
-
-
-def full_state(model) -> dict[str, torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-            for k, v in model.state_dict().items()}
+    return token_batches(STEPS, GLOBAL, SEQ)
 
 
 def train(run, k: int) -> dict[str, torch.Tensor]:

@@ -30,11 +30,12 @@ from _hf_models import (
     GPT2_TP_PLAN,
     LLAMA_TP_PLAN,
     SEQ,
-    VOCAB,
     D,
+    full_state,
     gpt2_layers,
     llama_layers,
     make,
+    token_batches,
 )
 
 from bigbatch.config.strategy import Strategy
@@ -66,15 +67,7 @@ def strategy(layout: str | None) -> Strategy:
 
 
 def tokens() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (STEPS, GLOBAL, SEQ + 1),
-                         generator=torch.Generator().manual_seed(5))
-
-
-def full_state(model) -> dict[str, torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-            for k, v in model.state_dict().items()}
+    return token_batches(STEPS, GLOBAL, SEQ)
 
 
 def train(run, rows: slice, steps: range = range(STEPS), data: torch.Tensor | None = None,
