@@ -29,9 +29,11 @@ the fraction of a base-batch step's progress that each example still makes at ba
 ``B``; equal to AdaScale's ``gain / scale``.
 
 `GoodputTuner.suggest` searches every ``(m, k)`` with ``m`` up to the memory limit and
-``B`` within ``[min_batch_size, max_batch_size]`` on the current world size, and moves
-only when the best predicted goodput beats the current one by more than ``threshold``.
-Every suggestion carries a human-readable ``reason``.
+``B`` within ``[min_batch_size, max_batch_size]`` on the current world size, or, given
+``worlds``, every ``(m, k, n)`` over those worker counts (Pollux's resource half: the job's
+size is chosen with its batch; the LR follows the batch through ``batch.scaling``), and
+moves only when the best predicted goodput beats the current one by more than
+``threshold``. Every suggestion carries a human-readable ``reason``.
 
 The throughput model and its fit live in `bigbatch.adaptive.throughput` and are re-exported here.
 """
@@ -91,7 +93,7 @@ class Suggestion:
     k_steps: int
     """Suggested gradient-merge steps."""
     world_size: int
-    """Workers (unchanged: the tuner does not schedule machines)."""
+    """Workers: unchanged unless `GoodputTuner.suggest` was given ``worlds`` to choose from."""
     changed: bool
     """Whether this differs from the configuration passed in."""
     goodput: float
@@ -194,12 +196,17 @@ class GoodputTuner:
         return np.concatenate(ms), np.concatenate(ks)
 
     def suggest(
-        self, micro: int, k_steps: int, world_size: int, noise_scale: float, *, refit: bool = True
+        self, micro: int, k_steps: int, world_size: int, noise_scale: float, *,
+        refit: bool = True, worlds: Sequence[int] | None = None,
     ) -> Suggestion:
-        """Best ``(micro, k)`` for ``world_size`` given the noise scale (``b_simple``).
+        """Best ``(micro, k)`` for ``world_size`` given the noise scale (``b_simple``), or
+        best ``(micro, k, n)`` over the worker counts ``worlds`` when given.
 
         Keeps the current configuration unless the best predicted goodput exceeds the
         current one by more than ``threshold`` (hysteresis against noise in the estimates).
+        Between equal goodputs the fewer workers win (the same progress for fewer machines).
+        A model fitted without multi-worker samples predicts no sync cost: the caller
+        should offer only worker counts it has measured or the next one (`Autoscaler`).
         """
         cur = (int(micro), int(k_steps), int(world_size))
 
@@ -212,19 +219,27 @@ class GoodputTuner:
         if math.isnan(noise_scale):
             return keep(f"keep batch {_describe(*cur)}: no gradient noise scale estimate yet")
         base = self.base_batch_size
-        ms, ks = self.candidates(world_size)
+        ns_all = sorted({int(n) for n in worlds}) if worlds else [int(world_size)]
+        if ns_all[0] < 1:
+            raise ConfigError(f"worlds={list(worlds or [])}: worker counts must be >= 1")
+        parts = [(*self.candidates(n), n) for n in ns_all]
+        ms = np.concatenate([m for m, _, _ in parts])
+        ks = np.concatenate([k for _, k, _ in parts])
+        ns = np.concatenate([np.full(m.size, n) for m, _, n in parts])
         cur_good = goodput(params, *cur, noise_scale, base)
         if ms.size == 0:
             return keep(
-                f"keep batch {_describe(*cur)}: no micro/merge split of {world_size} workers "
-                f"gives a batch in [{self.min_batch_size}, {self.max_batch_size}]",
+                f"keep batch {_describe(*cur)}: no micro/merge split of "
+                f"{'/'.join(map(str, ns_all))} workers gives a batch in "
+                f"[{self.min_batch_size}, {self.max_batch_size}]",
                 cur_good,
                 cur_good,
             )
-        goods = goodput(params, ms, ks, world_size, noise_scale, base)
-        # Ties (e.g. infinite noise scale at max throughput) go to the larger micro batch.
-        i = int(np.lexsort((-ms, -np.round(goods / goods.max(), 12)))[0])
-        best = (int(ms[i]), int(ks[i]), int(world_size))
+        goods = goodput(params, ms, ks, ns, noise_scale, base)
+        # Ties (e.g. infinite noise scale at max throughput) go to fewer workers, then to
+        # the larger micro batch.
+        i = int(np.lexsort((-ms, ns, -np.round(goods / goods.max(), 12)))[0])
+        best = (int(ms[i]), int(ks[i]), int(ns[i]))
         best_good = float(goods[i])
         gain = best_good / cur_good - 1.0 if cur_good > 0 else math.inf
         noise = "inf" if math.isinf(noise_scale) else f"{noise_scale:.4g}"
