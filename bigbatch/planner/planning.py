@@ -34,6 +34,7 @@ from bigbatch.planner.traffic import (
     fsdp_gathers,
     fsdp_traffic,
     item_count_traffic,
+    nonfinite_flag_traffic,
     pipeline_traffic,
     schedule_order,
 )
@@ -258,6 +259,8 @@ def _plan_rank(rank: int, model_fn: Callable[[], nn.Module], strategy: Any, deg:
                 item_count_traffic(comm, dist.group.WORLD, names)
         elif world.is_distributed:
             item_count_traffic(comm, mesh.dp_group, names)
+            if not (strategy.amp.enable and strategy.amp.dtype == "float16"):
+                nonfinite_flag_traffic(comm, dist.group.WORLD, names)
         shard = deg.shard
         if deg.fsdp_enabled:
             order = (schedule_order(result.schedule, k, stage0, deg.pipeline * result.virtual)

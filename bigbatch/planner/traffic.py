@@ -21,7 +21,7 @@ from bigbatch.optim._norms import local
 from bigbatch.planner.counting import CommCount
 
 __all__ = ["ddp_traffic", "fsdp_gathers", "fsdp_traffic", "item_count_traffic",
-           "pipeline_traffic", "schedule_order", "unit_params"]
+           "nonfinite_flag_traffic", "pipeline_traffic", "schedule_order", "unit_params"]
 
 
 def _add(count: CommCount, kind: str, group: Any, names: dict[str, str], nbytes: int,
@@ -118,6 +118,12 @@ def ddp_traffic(count: CommCount, params: Sequence[nn.Parameter], names: dict[st
 def item_count_traffic(count: CommCount, group: Any, names: dict[str, str]) -> None:
     """The engine's all-reduce of the step's item count (one float64) for ``count=`` losses."""
     _add(count, "all_reduce", group, names, 8)
+
+
+def nonfinite_flag_traffic(count: CommCount, group: Any, names: dict[str, str]) -> None:
+    """The own loop's non-finite check (`nan_policy`, on by default outside fp16 and
+    pipelines): one float32 flag all-reduced per optimizer step."""
+    _add(count, "all_reduce", group, names, 4)
 
 
 def pipeline_traffic(count: CommCount, sent: Sequence[int], received: Sequence[int],
