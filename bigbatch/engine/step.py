@@ -17,6 +17,7 @@ import torch
 
 from bigbatch.engine.grad_info import GradInfo, sq_norm
 from bigbatch.engine.merge import MergeWindow
+from bigbatch.optim import layouts
 from bigbatch.optim._norms import local
 from bigbatch.optim.clip import clip_grads_
 
@@ -30,20 +31,10 @@ def _grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def align_grads(named: list[tuple[str, torch.Tensor]]) -> None:
     """Tensor parallelism: give every gradient its parameter's layout before any norm or
-    step. An untied vocabulary-parallel embedding's gradient comes back replicated while
+    step (`bigbatch.optim.layouts`, the same function the optimizers call in their own
+    step). An untied vocabulary-parallel embedding's gradient comes back replicated while
     its weight is sharded; redistributing to the weight's placements is a local slice."""
-    from torch.distributed.tensor import DTensor
-
-    for name, p in named:
-        g = p.grad
-        if g is None or not isinstance(p, DTensor):
-            continue
-        if not isinstance(g, DTensor) or g.shape != p.shape:
-            raise RuntimeError(f"the gradient of {name} ({type(g).__name__} of shape "
-                               f"{tuple(g.shape)}) does not match the parameter "
-                               f"({tuple(p.shape)})")
-        if g.placements != p.placements or g.device_mesh != p.device_mesh:
-            p.grad = g.redistribute(p.device_mesh, p.placements)
+    layouts.align_grads(named)
 
 
 def normalize(window: MergeWindow, params: list[torch.Tensor], data_degree: int) -> None:

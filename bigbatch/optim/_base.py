@@ -11,6 +11,7 @@ import torch
 
 from ._norms import local
 from ._params import split_by_exclusion
+from .layouts import align_group
 
 # Dtypes torch's fused CPU kernels accept; the per-tensor kernel needs them.
 _FUSED_DTYPES = (torch.float32, torch.float64)
@@ -102,12 +103,23 @@ class LayerwiseOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._step()
+        return loss
+
+    @torch.compiler.disable
+    def _step(self) -> None:
+        """The update itself, always run eagerly: under ``torch.compile`` (of the step, or
+        of a function that calls it) Dynamo breaks the graph here and the kernel runs as
+        written, so a compiled step equals the eager one. Traced, the kernels' host reads
+        (``.item()``, Python-float trust ratios) became constants of the graph and gave
+        other weights without an error."""
         work = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if any(p.grad.is_sparse for p in params):
                 raise RuntimeError(f"{self._name} does not support sparse gradients")
             if params:
+                align_group(group, params)
                 work.append((group, params))
         ratios: list | None = [] if self.track_trust_ratios else None
         if work:
@@ -115,7 +127,6 @@ class LayerwiseOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             # GradScaler's protocol (torch's fused optimizers read the same attribute).
             self._update(work, kernel, ratios, getattr(self, "found_inf", None))
         self._last_ratios = ratios
-        return loss
 
     @abc.abstractmethod
     def _update(self, work: list[tuple[dict, list[torch.Tensor]]], kernel: str,

@@ -47,6 +47,7 @@ import torch
 
 from ._norms import local
 from ._params import check_range
+from .layouts import align_group
 from .muon_params import adamw_step, split_muon_groups
 from .whole_matrices import apply_whole
 
@@ -249,9 +250,16 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._step()
+        return loss
+
+    @torch.compiler.disable
+    def _step(self) -> None:
+        """The update, always eager: under ``torch.compile`` Dynamo breaks the graph here,
+        so a compiled step equals the eager one (as LARS's and LAMB's)."""
         found_inf = getattr(self, "found_inf", None)  # GradScaler's protocol
         if found_inf is not None and bool(found_inf):
-            return loss
+            return
         matrices, runs = [], []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
@@ -259,6 +267,7 @@ class Muon(torch.optim.Optimizer):
                 raise RuntimeError("Muon does not support sparse gradients")
             if not params:
                 continue
+            align_group(group, params)
             if group["use_muon"]:
                 matrices += params
                 runs.append((group, len(params)))
@@ -271,5 +280,4 @@ class Muon(torch.optim.Optimizer):
                 kernel = "batched" if local(matrices[0]).device.type == "cuda" else "reference"
             muon(matrices, [p.grad for p in matrices], [self._buffer(p) for p in matrices],
                  groups=runs, kernel=kernel, ns_dtype=self.ns_dtype)
-        return loss
 
