@@ -29,6 +29,8 @@ _WHERE = {
     "Strategy": "bigbatch.config", "BatchPlan": "bigbatch.config",
     "Schedule": "bigbatch.config", "scale_lr": "bigbatch.config",
     "prepare": "bigbatch.engine", "Run": "bigbatch.engine",
+    "build_optimizer": "bigbatch.engine.optimizer", "build_scheduler": "bigbatch.engine.optimizer",
+    "ScheduleLR": "bigbatch.optim.lr_scheduler",
     "ModelPlan": "bigbatch.parallel.model_plan",
     "TrainConfig": "bigbatch.train", "get_task": "bigbatch.tasks",
     "GradientNoiseScale": "bigbatch.adaptive", "AdaScale": "bigbatch.adaptive",
@@ -46,7 +48,7 @@ _WHERE = {
 __all__ = [
     "LARS", "LAMB", "Muon", "param_groups", "muon_param_groups",
     "Strategy", "BatchPlan", "Schedule", "scale_lr",
-    "prepare", "Run", "Policy", "ModelPlan",
+    "prepare", "Run", "Policy", "ModelPlan", "build_optimizer", "build_scheduler", "ScheduleLR",
     "TrainConfig", "get_task",
     "GradientNoiseScale", "AdaScale",
     "ConfigError", "PipelineError", "SaveStateError", "UntrustedFileError",

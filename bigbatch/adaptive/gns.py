@@ -109,6 +109,20 @@ def estimate(
     return NoiseEstimate(sq_norm=g2, trace=trace)
 
 
+def _grads_of(source: Any) -> list[torch.Tensor]:
+    """The gradients of a module's parameters, or the given tensors (None left out)."""
+    if isinstance(source, torch.nn.Module):
+        grads = [p.grad for p in source.parameters() if p.grad is not None]
+    else:
+        # A parameter stands for its gradient (parameters themselves are never gradients).
+        grads = [t.grad if isinstance(t, torch.nn.Parameter) else t for t in source]
+        grads = [g for g in grads if g is not None]
+    if not grads:
+        raise ValueError("GradientNoiseScale.update_from_grads: no gradients given "
+                         "(call it after backward, before zero_grad)")
+    return grads
+
+
 class GradientNoiseScale:
     """Bias-corrected EMAs of ``|G|^2`` and ``tr(Sigma)``; ``b_simple`` is their ratio.
 
@@ -145,6 +159,34 @@ class GradientNoiseScale:
         est = estimate(small_sq_norm, big_sq_norm, small_batch, big_batch)
         self.update_estimate(est)
         return est
+
+    def update_from_grads(
+        self,
+        micro_grads: Any,
+        merged_grads: Any,
+        micro_batch: int,
+        merged_batch: int,
+    ) -> NoiseEstimate:
+        """Fold in one step from any training loop, given two gradients of it.
+
+        ``micro_grads``: the *mean* gradient of one micro-batch of ``micro_batch``
+        examples; ``merged_grads``: the mean gradient of the step's whole batch of
+        ``merged_batch`` examples (the merged micro-batches; with data parallelism, all
+        ranks' after the all-reduce). Each is an ``nn.Module`` (its parameters' ``.grad``)
+        or gradient tensors (a parameter stands for its ``.grad``); DTensors count whole
+        (one all-reduce over their shards).
+
+        Mean, not sum: a loop that divides each micro-batch's loss by the merge count
+        ``k`` before ``backward`` (Hugging Face ``Trainer``, Accelerate's
+        ``accumulate``) leaves ``g_1 / k`` in ``.grad`` after the first micro-batch: keep
+        ``k`` times a copy of it as ``micro_grads``. A loop that sums per-token losses
+        instead of averaging them must divide by the token count.
+        """
+        from bigbatch.optim._norms import global_norm
+
+        small = global_norm(_grads_of(micro_grads)).double().square()
+        big = global_norm(_grads_of(merged_grads)).double().square()
+        return self.update(small, big, micro_batch, merged_batch)
 
     def update_estimate(self, est: NoiseEstimate) -> None:
         """Fold in one step's `NoiseEstimate` (non-finite estimates are skipped)."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -28,16 +29,24 @@ def _fast_kwargs(model: nn.Module) -> dict[str, bool]:
     return {"foreach": True}
 
 
-def build_optimizer(model: nn.Module, strategy: Any, lr: float,
-                    zero: bool = False) -> torch.optim.Optimizer:
-    """The optimizer the strategy names, over `model`'s parameters, at learning rate `lr`.
+def build_optimizer(model: nn.Module, strategy: Any, lr: float | None = None,
+                    zero: bool = False, *, data_degree: int | None = None
+                    ) -> torch.optim.Optimizer:
+    """The optimizer the strategy names, over `model`'s parameters, at learning rate `lr`:
+    a plain `torch.optim.Optimizer` for any loop or trainer (`bigbatch.build_optimizer`).
 
-    momentum -> SGD, adamw -> AdamW (torch.optim, fused/foreach); `[lars]` turns
-    momentum into LARS, `[lamb]` adamw into LAMB and `[muon]` adamw into Muon + AdamW
-    (bigbatch.optim). Parameters are
-    split by `exclusion_groups` (no weight decay and no trust ratio for the excluded).
+    `strategy`: a `bigbatch.Strategy`, or a TOML file's path or text. momentum -> SGD,
+    adamw -> AdamW (torch.optim, fused/foreach); `[lars]` turns momentum into LARS,
+    `[lamb]` adamw into LAMB and `[muon]` adamw into Muon + AdamW (bigbatch.optim).
+    Parameters are split by `exclusion_groups` (no weight decay and no trust ratio for
+    the excluded). `lr` None: the strategy's peak LR (base LR scaled to its global batch
+    over `data_degree` data-parallel ranks, default $WORLD_SIZE or 1), the LR a
+    `bigbatch.ScheduleLR` over `strategy.schedule(...)` multiplies.
     `zero`: the same optimizer inside a `ZeroRedundancyOptimizer` (ZeRO stage 1).
     """
+    strategy = as_strategy(strategy)
+    if lr is None:
+        lr = _plan(strategy, data_degree).peak_lr
     cls, kwargs, exclude = _recipe(model, strategy, lr)
     groups = _groups(model, strategy, kwargs.get("weight_decay", 0.0), exclude)
     if not zero:
@@ -45,6 +54,43 @@ def build_optimizer(model: nn.Module, strategy: Any, lr: float,
     from bigbatch.parallel.sharding import zero_optimizer
 
     return zero_optimizer(groups, cls, **kwargs)
+
+
+def as_strategy(strategy: Any) -> Any:
+    """A `Strategy` as given, or read from a TOML path or text."""
+    from bigbatch.config import Strategy
+
+    if isinstance(strategy, Strategy):
+        return strategy
+    if isinstance(strategy, (str, os.PathLike)):
+        return Strategy.from_toml(strategy)
+    raise TypeError(f"strategy={type(strategy).__name__}: expected a bigbatch.Strategy or "
+                    "a TOML file's path or text")
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, strategy: Any, total_steps: int, *,
+                    data_degree: int | None = None, steps_per_epoch: int | None = None) -> Any:
+    """The strategy's warmup and decay over `total_steps` optimizer steps as a
+    `bigbatch.ScheduleLR` (a torch `LRScheduler`) on `optimizer`, built at the peak LR
+    (`build_optimizer`'s default). It counts optimizer steps, not `step()` calls: a
+    trainer that calls it once per process (Accelerate) cannot run it N times too fast."""
+    from bigbatch.config.schedules import Schedule
+    from bigbatch.optim.lr_scheduler import ScheduleLR
+
+    strategy = as_strategy(strategy)
+    schedule = Schedule.from_strategy(strategy, _plan(strategy, data_degree), total_steps,
+                                      steps_per_epoch)
+    return ScheduleLR(optimizer, schedule)
+
+
+def _plan(strategy: Any, data_degree: int | None) -> Any:
+    """The strategy's batch plan over `data_degree` data ranks (default: $WORLD_SIZE's
+    data degree under the strategy's tensor and pipeline degrees, 1 without torchrun)."""
+    if data_degree is None:
+        from bigbatch.config.parallelism import degrees
+
+        data_degree = degrees(strategy, int(os.environ.get("WORLD_SIZE", "1") or 1)).data
+    return strategy.resolve(data_degree)
 
 
 def weight_decays(model: nn.Module, strategy: Any) -> dict[int, float]:
