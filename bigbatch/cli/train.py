@@ -40,6 +40,8 @@ LAUNCHER_FLAGS = {
 
 
 def _nproc(text: str) -> int | str:
+    if ":" in text:  # MIN:MAX: the autoscaler's range (checked in `run_train_command`)
+        return text
     return "auto" if text == "auto" else _positive_int(text)
 
 
@@ -118,7 +120,8 @@ def add_train_arguments(t: argparse.ArgumentParser) -> None:
     launch = t.add_argument_group("launch (torchrun)")
     launch.add_argument("--nproc", type=_nproc, metavar="N",
                         help="workers on this machine, started through torch.distributed.run "
-                        "(default auto: one per GPU, else 2 on a CPU with 2+ cores)")
+                        "(default auto: one per GPU, else 2 on a CPU with 2+ cores); MIN:MAX: "
+                        "the job measures and picks its size (bigbatch.cli.autoscale)")
     launch.add_argument("--nnodes", help="number of machines, or MIN:MAX (torchrun)")
     launch.add_argument("--node-rank", type=_nonneg_int, help="rank of this machine (torchrun)")
     launch.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="rendezvous (torchrun)")
@@ -126,6 +129,9 @@ def add_train_arguments(t: argparse.ArgumentParser) -> None:
     launch.add_argument("--rdzv-id", help="job id for the rendezvous (torchrun)")
     launch.add_argument("--max-restarts", type=_nonneg_int,
                         help="restarts of the worker group on failure (torchrun)")
+    from bigbatch.cli.autoscale import add_autoscale_arguments
+
+    add_autoscale_arguments(launch)
 
 
 def under_launcher() -> bool:
@@ -372,6 +378,13 @@ def run_train_command(args: argparse.Namespace, argv: list[str], config: Any,
     from bigbatch.train.signals import abort_on_signals
 
     worker = under_launcher()
+    if isinstance(args.nproc, str) and ":" in args.nproc:  # issue 40's hook: the autoscaler
+        from bigbatch.cli.autoscale import parse_range, run_autoscaled
+
+        if worker:
+            raise ConfigError(f"--nproc {args.nproc}: a range is for the launcher, not a worker")
+        lo, hi = parse_range(args.nproc)
+        return run_autoscaled(args, argv, lo, hi, resolve, _launch)
     if args.nproc in (None, "auto"):
         args.nproc = default_nproc() if not worker else 1
     launching = not worker and (

@@ -370,6 +370,10 @@ def attach(run: Any, given: list[Any] | None = None) -> Policies:
         from bigbatch.engine.batch_schedule import BatchSchedulePolicy
 
         policies.insert(0, BatchSchedulePolicy.from_strategy(run.strategy))
+    from bigbatch.adaptive.autoscale import segment_policy
+
+    if (segment := segment_policy()) is not None:  # a measured segment of `--nproc MIN:MAX`
+        policies.append(segment)
     for p in given or []:
         if not isinstance(p, Policy):
             raise PolicyError(f"prepare(policies=...): {p!r} is not a bigbatch.Policy (a "

@@ -37,6 +37,8 @@ class RunView:
     stragglers: list[dict[str, Any]] = field(default_factory=list)
     rebalances: list[dict[str, Any]] = field(default_factory=list)
     batch_changes: list[dict[str, Any]] = field(default_factory=list)
+    autoscale: list[dict[str, Any]] = field(default_factory=list)
+    """The worker-count decisions of `--nproc MIN:MAX` (`bigbatch.cli.autoscale`)."""
     summary: dict[str, Any] | None = None
     stopped: dict[str, Any] | None = None
     updated: float | None = None
@@ -106,6 +108,7 @@ _VALID = {  # what each kind the view shows needs besides its step
                             and _number(r.get("ratio")) and _number(r.get("compute_s"))),
     "rebalance": lambda r: "old" in r and "new" in r,
     "batch_size": lambda r: "old" in r and "new" in r,
+    "autoscale": lambda r: "old" in r and "new" in r,
 }
 
 
@@ -130,7 +133,7 @@ def read_run(out: str | Path) -> RunView:
         view.updated = path.stat().st_mtime
         kinds = {"train": view.train, "eval": view.evals, "ranks": view.ranks,
                  "straggler": view.stragglers, "rebalance": view.rebalances,
-                 "batch_size": view.batch_changes}
+                 "batch_size": view.batch_changes, "autoscale": view.autoscale}
         text = path.read_bytes().decode("utf-8", errors="replace")
         lines = text.split("\n")
         for i, line in enumerate(lines):
@@ -264,6 +267,8 @@ def render(view: RunView) -> Any:
                for r in view.rebalances]
     events += [f"step {c['step']}: global batch {c['old']} -> {c['new']} ({c.get('reason', '')})"
                for c in view.batch_changes]
+    events += [f"step {a['step']}: workers {a['old']} -> {a['new']} ({a.get('reason', '')})"
+               for a in view.autoscale]
     if events:
         parts.append(Text("events:\n  " + "\n  ".join(events[-8:])))
     if view.skipped:

@@ -1,0 +1,185 @@
+"""`bigbatch train --nproc MIN:MAX`: one job that picks its own worker count.
+
+The launcher runs the job in *segments* through the same in-process torchrun launch as
+`--nproc N` (`bigbatch.cli.train`'s launch, passed in): each segment runs at one size for
+``--autoscale-steps`` optimizer steps, its workers time the steps and stop after a
+checkpoint (`bigbatch.adaptive.autoscale.AutoscaleSegment`), and the next segment resumes
+from that checkpoint at the size the rule chose (`Autoscaler`: grow by
+``--autoscale-step`` while the marginal scaling efficiency stays at or above
+``--autoscale-threshold`` and goodput improves; otherwise go back to the best size
+measured and stay). A resume at another size is exact and follows ``batch.elastic``
+(keep: the same global batch, re-split; scale: the batch grows with the workers). A
+segment that loses a worker continues one size smaller from its last checkpoint.
+
+Every decision is a ``kind = "autoscale"`` line of ``metrics.jsonl`` with the numbers it
+was made on (samples/s by size, the marginal efficiency), a line on stderr, and an event in
+`bigbatch monitor`; ``OUT/autoscale.json`` holds the whole history. Multi-node (`--nnodes`)
+is not driven here: torchrun's own ``--nnodes MIN:MAX`` stays the way to change machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bigbatch.errors import ConfigError
+
+__all__ = ["AUTOSCALE_FILE", "add_autoscale_arguments", "parse_range", "run_autoscaled"]
+
+AUTOSCALE_FILE = "autoscale.json"
+_STEPS, _THRESHOLD, _STEP, _SKIP = 20, 0.5, 1, 2
+
+
+def parse_range(text: str) -> tuple[int, int] | None:
+    """``"MIN:MAX"`` -> (MIN, MAX); None when `text` is not a range. A malformed range is a
+    ConfigError naming the flag and what is allowed."""
+    if ":" not in text:
+        return None
+    lo, _, hi = text.partition(":")
+    if not (lo.isdigit() and hi.isdigit()) or not 1 <= int(lo) <= int(hi):
+        raise ConfigError(f"--nproc {text}: expected N or MIN:MAX with integers "
+                          "1 <= MIN <= MAX")
+    return int(lo), int(hi)
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number in [0, 1]")
+    return v
+
+
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1")
+    return int(text)
+
+
+def add_autoscale_arguments(group: Any) -> None:
+    """The autoscaler's flags (used with ``--nproc MIN:MAX``)."""
+    group.add_argument("--autoscale-steps", type=_count, metavar="N",
+                       help=f"with --nproc MIN:MAX: optimizer steps measured at each size "
+                       f"(default {_STEPS}; the first {_SKIP} are not timed)")
+    group.add_argument("--autoscale-threshold", type=_fraction, metavar="F",
+                       help="with --nproc MIN:MAX: the marginal scaling efficiency a growth "
+                       f"must keep, in [0, 1] (default {_THRESHOLD})")
+    group.add_argument("--autoscale-step", type=_count, metavar="K",
+                       help=f"with --nproc MIN:MAX: workers added per growth (default {_STEP})")
+
+
+def _segment_argv(argv: list[str], resume: bool) -> list[str]:
+    out = [a for a in argv if a not in ("--resume", "--overwrite")]
+    return [*out, "--resume"] if resume else out
+
+
+def _read_lines(path: Path) -> list[dict[str, Any]]:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def _append(path: Path, record: dict[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def run_autoscaled(args: argparse.Namespace, argv: list[str], lo: int, hi: int,
+                   resolve: Callable[[argparse.Namespace], tuple[Any, Any]],
+                   launch: Callable[..., int]) -> int:
+    """Run the job in measured segments between `lo` and `hi` workers (see the module
+    docstring). `resolve(args)` makes (config, strategy); `launch(args, argv, config,
+    strategy)` runs one torchrun job of ``args.nproc`` workers and returns its status."""
+    from bigbatch.adaptive.autoscale import SKIP_ENV, UNTIL_ENV, Autoscaler, Measurement
+    from bigbatch.train.progress import METRICS_FILE
+
+    if args.nnodes is not None or args.rdzv_endpoint is not None:
+        raise ConfigError("--nproc MIN:MAX drives the workers of this machine; with --nnodes or "
+                          "--rdzv-endpoint give --nproc N and torchrun's --nnodes MIN:MAX")
+    steps = args.autoscale_steps or _STEPS
+    threshold = _THRESHOLD if args.autoscale_threshold is None else args.autoscale_threshold
+    rule = Autoscaler(lo, hi, step=args.autoscale_step or _STEP, threshold=threshold)
+    history: list[dict[str, Any]] = []
+    n, resume, settled, losses = lo, bool(args.resume), False, 0
+    first = True
+    saved_env = {k: os.environ.get(k) for k in (UNTIL_ENV, SKIP_ENV)}
+    try:
+        while True:
+            args.nproc, args.resume = n, resume
+            args.overwrite = bool(args.overwrite) and first
+            config, strategy = resolve(args)
+            out = Path(config.out)
+            metrics = out / METRICS_FILE
+            start = _last_step(metrics) if resume else 0
+            until = None if settled else start + steps
+            if until is None:
+                os.environ.pop(UNTIL_ENV, None)
+            else:
+                os.environ[UNTIL_ENV], os.environ[SKIP_ENV] = str(until), str(_SKIP)
+            status = launch(args, _segment_argv(argv, resume), config, strategy)
+            first, resume = False, True
+            found = [r for r in _read_lines(metrics) if r.get("kind") == "autoscale_measure"
+                     and until is not None and r.get("step") == until]
+            if status == 0 and found:
+                r = found[-1]
+                decision = rule.observe(Measurement(
+                    int(r["world_size"]), float(r["samples_per_s"]), int(r["step"]),
+                    int(r.get("global_batch_size", 0)), float(r.get("efficiency", 1.0))))
+                step = int(r["step"])
+            elif status == 0:
+                _summary(out, history)
+                return 0  # the run ended (its length reached) inside this segment
+            elif status == 1 and losses < hi and _last_step(metrics) > start:
+                losses += 1
+                decision, step = rule.lost_worker(n), _last_step(metrics)
+            else:
+                return status
+            rec = decision.record(step)
+            history.append(rec)
+            _append(metrics, rec)
+            print(f"bigbatch train: autoscale at step {step}: {decision.reason}; measured "
+                  + ", ".join(f"{k} worker(s) {v:.4g} samples/s"
+                              for k, v in decision.measured.items()),
+                  file=sys.stderr, flush=True)
+            _write_history(out, history)
+            n, settled = decision.new, decision.settled
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _last_step(metrics: Path) -> int:
+    steps = [r.get("step") for r in _read_lines(metrics)]
+    return max((int(s) for s in steps if isinstance(s, int | float)), default=0)
+
+
+def _write_history(out: Path, history: list[dict[str, Any]]) -> None:
+    (out / AUTOSCALE_FILE).write_text(json.dumps({"decisions": history}, indent=1) + "\n")
+
+
+def _summary(out: Path, history: list[dict[str, Any]]) -> None:
+    if not history:
+        return
+    last = history[-1]
+    print(f"bigbatch train: autoscale: ran at {last['new']} worker(s) since step "
+          f"{last['step']} ({last['reason']})", file=sys.stderr, flush=True)
