@@ -16,6 +16,19 @@ run's, except for these (`ALLOWED`):
   DCP's, keyed by parameter name, and reshard on load; the tensor-parallel degree is
   checked on its own, as the padded vocabulary follows it).
 
+- how gradients and weights travel and what adapts (`SWITCHABLE`): the reduce between
+  the stateless modes (mean, fp16, bf16, adasum) and its keys, local SGD and adaptive
+  local SGD (a checkpoint is taken after `synchronize()`: every worker holds the same
+  weights and moments, so either side of the switch starts from one state), and the
+  `[adaptive]` keys that only measure or decide later (the noise scale, goodput's batch
+  bounds and interval, the policies).
+
+Still refused, and why: a reduce to or from ``powersgd`` or ``dgc`` (each worker's
+error-feedback memory is saved with the checkpoint and has no counterpart in the other
+mode); ``adaptive.lr`` (AdaScale counts the schedule in steps of the base batch and scales
+the LR by its gain: the checkpoint's progress would mean something else);
+``adaptive.gns_gradient`` (the saved estimates are of another gradient).
+
 Anything else (the seed, the task and its data, the model, any other strategy key)
 is refused with one line listing the keys that differ, before anything is written.
 """
@@ -28,7 +41,7 @@ from bigbatch.config.strategy import Strategy
 from bigbatch.errors import ConfigError
 from bigbatch.train.checkpoint import CheckpointError
 
-__all__ = ["ALLOWED", "check_resume"]
+__all__ = ["ALLOWED", "SWITCHABLE", "check_resume"]
 
 ALLOWED_CONFIG = ("epochs", "steps", "checkpoint_every", "keep_checkpoints", "log_every",
                   "eval_every", "eval_batch_size", "nan_policy", "progress", "tensorboard",
@@ -37,6 +50,16 @@ ALLOWED_STRATEGY = ("data_parallel.timeout_s", "batch.elastic", "sharding.enable
                     "sharding.stage", "sharding.sharding_degree", "sharding.offload",
                     "pipeline.pp_degree", "pipeline.virtual_stages", "pipeline.split_points",
                     "pipeline.schedule_mode", "tensor_parallel.tensor_parallel_degree")
+SWITCHABLE = ("data_parallel.reduce", "data_parallel.adasum_on", "data_parallel.adasum_lr",
+              "data_parallel.bucket_cap_mb", "data_parallel.find_unused_parameters",
+              *(f"localsgd.{k}" for k in ("enable", "k_steps", "begin_step")),
+              *(f"adaptive_localsgd.{k}" for k in ("enable", "init_k_steps", "begin_step")),
+              *(f"adaptive.{k}" for k in ("batch_size", "min_batch_size", "max_batch_size",
+                                          "interval_steps", "gain_threshold", "noise_scale",
+                                          "gns_ema", "gns_warmup_steps", "policies")))
+"""Communication and adaptive keys a resume may change (issue 40); see the docstring."""
+STATEFUL_REDUCES = ("powersgd", "dgc")
+ALLOWED_STRATEGY = ALLOWED_STRATEGY + SWITCHABLE
 ALLOWED = ALLOWED_CONFIG + ALLOWED_STRATEGY
 _SHOWN = 4  # differing keys named in the message; the rest are counted
 
@@ -74,6 +97,9 @@ def differences(config: Any, strategy: Strategy, ckpt: dict, default_model: str
         for key in sorted(set(before) | set(now), key=list({**before, **now}).index):
             if key not in ALLOWED_STRATEGY and before.get(key) != now.get(key):
                 diffs.append((key, before.get(key), now.get(key)))
+        old_r, new_r = before.get("data_parallel.reduce"), now.get("data_parallel.reduce")
+        if old_r != new_r and (old_r in STATEFUL_REDUCES or new_r in STATEFUL_REDUCES):
+            diffs.append(("data_parallel.reduce", old_r, new_r))
     return diffs
 
 
@@ -89,8 +115,9 @@ def check_resume(config: Any, strategy: Strategy, ckpt: dict, name: str, default
         raise ConfigError(
             f"--resume: these settings differ from checkpoint {name}: {shown}{more}; a resume "
             "may change only the training length, checkpoint/log/eval cadence, nan_policy, "
-            "data_parallel.timeout_s and (with batch.elastic) the number of workers; start a "
-            "new run for the rest (another --out, or --overwrite)")
+            "data_parallel.timeout_s, (with batch.elastic) the number of workers, the reduce "
+            "between mean/fp16/bf16/adasum, local SGD and the measuring [adaptive] keys; start "
+            "a new run for the rest (another --out, or --overwrite)")
     done = ckpt.get("engine", {}).get("progress", ckpt.get("step", 0))
     if total_steps is not None and total_steps < done:
         what = (f"--steps {config.steps}" if config.steps is not None else
