@@ -26,12 +26,12 @@ ERROR, PEER_NAMED, PEER = 0, 1, 2
 """A report's rank in the choice: the failure itself; a peer timeout naming who did not
 answer; a peer timeout that cannot say who."""
 _KEY = "bigbatch_failure"
+LAUNCHER_ENV = "BIGBATCH_LAUNCHER_PID"
+"""Set by bigbatch's launcher in its workers' environment (its pid): they report to it."""
 
 
 def _to_launcher() -> str | None:
     """The error file to write, in a worker that bigbatch's own launcher started."""
-    from bigbatch.cli.launch import LAUNCHER_ENV
-
     if LAUNCHER_ENV in os.environ and os.environ.get("TORCHELASTIC_ERROR_FILE"):
         return os.environ["TORCHELASTIC_ERROR_FILE"]
     return None

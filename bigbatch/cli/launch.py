@@ -35,12 +35,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from bigbatch.cli.failure_report import LAUNCHER_ENV
 from bigbatch.errors import ConfigError
 
 __all__ = ["GRACE_S", "LAUNCHER_ENV", "bind_to_launcher", "check_endpoint", "run_torchrun"]
 
-LAUNCHER_ENV = "BIGBATCH_LAUNCHER_PID"
-"""Set for the workers: the pid of the `bigbatch` process whose agent started them."""
 GRACE_S = 5.0
 """Seconds past the rendezvous timeout before the watchdog ends a stuck launcher."""
 _PR_SET_PDEATHSIG = 1
