@@ -44,7 +44,7 @@ def test_names_are_a_base_strategy_and_a_schedule():
         assert not check_name(bad, BASES), bad
     assert StudyConfig(strategies=["lars", "lars@adaptive"]).strategies == ["lars", "lars@adaptive"]
     with pytest.raises(ConfigError, match=r"^strategies=\['lars@linear'\]: unknown; valid: sgd, "
-                       r"lars, lamb, adascale, kfac, or <strategy>@<schedule> with schedule "
+                       r"lars, lamb, adascale, kfac, muon, or <strategy>@<schedule> with schedule "
                        r"adaptive, seesaw, goodput, doubling \(e.g. lars@adaptive\)$"):
         StudyConfig(strategies=["sgd", "lars@linear"])
     with pytest.raises(ConfigError, match=r"^--set lars@x:\.\.\.: unknown strategy; valid: all, "):

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-MARKERS = {"sgd": "o", "lars": "s", "lamb": "D", "adascale": "^", "kfac": "P"}
-STYLES = {"sgd": "-", "lars": "--", "lamb": "-.", "adascale": ":", "kfac": (0, (5, 1, 1, 1))}
+MARKERS = {"sgd": "o", "lars": "s", "lamb": "D", "adascale": "^", "kfac": "P", "muon": "X"}
+STYLES = {"sgd": "-", "lars": "--", "lamb": "-.", "adascale": ":", "kfac": (0, (5, 1, 1, 1)),
+          "muon": (0, (3, 1, 1, 1, 1, 1))}
 #: A growing batch's own marker, drawn large and unjoined in its base strategy's colour.
 GROWING = {"adaptive": "*", "seesaw": "X", "goodput": "h", "doubling": "p"}
 

@@ -24,19 +24,24 @@ class Grid(Protocol):
     lr_find: bool
 
 
-STRATEGIES = ("sgd", "lars", "lamb", "adascale", "kfac")
+STRATEGIES = ("sgd", "lars", "lamb", "adascale", "kfac", "muon")
 RULES = {
     "sgd": "the recipe's optimizer, linear LR scaling + gradual warmup (Goyal et al. 2017)",
     "lars": "LARS on momentum SGD, linear LR scaling + warmup (You et al. 2017)",
     "lamb": "LAMB on AdamW, square-root LR scaling + warmup (You et al. 2020)",
     "adascale": "the recipe's optimizer, AdaScale LR gain, no scaling rule (Johnson et al. 2020)",
     "kfac": "K-FAC preconditioning on momentum SGD, linear LR scaling + warmup (Osawa et al. 2019)",
+    "muon": "Muon on hidden matrices + AdamW on the rest at AdamW's LR (update RMS matched, "
+            "Liu et al. 2025), square-root LR scaling + warmup (Jordan et al. 2024)",
 }
 LAYERWISE_EXCLUDE = ["bn", "norm", "bias"]
 #: LR of LARS / LAMB when the recipe's optimizer is the other family (their per-step
 #: relative update is about lr x lars_coeff x 1/(1-momentum), resp. lr).
 LARS_DEFAULT = {"lars_coeff": 0.01, "base_lr": 0.1}
 LAMB_DEFAULT = {"base_lr": 0.01, "weight_decay": 0.01}
+#: LR and weight decay of Muon + AdamW when the recipe is momentum SGD: torch's AdamW
+#: defaults, which `[muon]`'s update-RMS rule makes Muon's too (an AdamW recipe's carry over).
+MUON_DEFAULT = {"base_lr": 1e-3, "weight_decay": 0.01}
 
 
 def _warmup_epochs(c: Grid, recipe: Any) -> float:
@@ -108,6 +113,15 @@ def cell_strategy(c: Grid, recipe: Any, name: str, batch: int) -> Any:
             b["base_lr"] = LARS_DEFAULT["base_lr"]
             d["optimizer"] = {"type": "momentum", "momentum": 0.9, "weight_decay": 5e-4}
         d["kfac"] = {}
+    elif name == "muon":
+        # Muon's update has a fixed RMS (as Adam's sign-like step), so its LR follows the
+        # square-root rule as LAMB's; [muon] carries the weight decay (compat: not twice).
+        b["scaling"] = "sqrt"
+        if momentum_recipe:
+            b["base_lr"] = MUON_DEFAULT["base_lr"]
+        d["optimizer"] = {"type": "adamw", "beta1": 0.9, "epsilon": 1e-6, "weight_decay": 0.0}
+        d["muon"] = {"muon_weight_decay": MUON_DEFAULT["weight_decay"] if momentum_recipe
+                     else recipe.weight_decay}
     items = cell_overrides(c.overrides, full)
     if schedule is not None:
         return scheduled_strategy(d, full, batch, items, c.nproc)
