@@ -125,12 +125,32 @@ def test_hybrid_configs_lay_out_fleet_degrees():
     assert degrees(p, 2).pipeline == 2 and p.resolve(1).k_steps == 4
 
 
+def test_a_sync_k_steps_is_geo_and_tensor_init_seed_seeds_the_init():
+    t = translate("batch_size = 4\na_sync = true\n[a_sync_configs]\nk_steps = 4\n" + OPTIMIZER)
+    s = t.build()
+    assert (s.parameter_server.enable, s.parameter_server.mode) == (True, "geo")
+    assert s.parameter_server.geo_k_steps == 4
+    assert "a_sync_configs.k_steps -> parameter_server.geo_k_steps = 4" in t.table()
+    for k in (0, -1):  # Fleet's default -1 and 0: async
+        s = translate(f"batch_size = 4\na_sync = true\n[a_sync_configs]\nk_steps = {k}\n"
+                      + OPTIMIZER).build()
+        assert s.parameter_server.mode == "async"
+    t = translate("batch_size = 4\ntensor_parallel = true\n[tensor_parallel_configs]\n"
+                  "tensor_parallel_degree = 2\ntensor_init_seed = 7\n" + OPTIMIZER)
+    assert t.build().tensor_parallel.tensor_init_seed == 7
+    assert ("tensor_parallel_configs.tensor_init_seed",
+            "tensor_parallel.tensor_init_seed = 7") in t.rows
+    t = translate("batch_size = 4\ntensor_parallel = true\n[tensor_parallel_configs]\n"
+                  "tensor_parallel_degree = 2\ntensor_init_seed = -1\n" + OPTIMIZER)
+    assert t.build().tensor_parallel.tensor_init_seed is None  # Fleet's unset: --seed
+
+
 @pytest.mark.parametrize("text, named", [
-    ("a_sync = true\n[a_sync_configs]\nk_steps = 4\n", "a_sync_configs.k_steps=4"),
     ("recompute = true\n[recompute_configs]\ncheckpoints = ['fc']\nenable_offload = true\n",
      "recompute_configs.enable_offload"),
+    ("a_sync = true\n[a_sync_configs]\nk_steps = 2.5\n", "a_sync_configs.k_steps = 2.5"),
     ("tensor_parallel = true\n[tensor_parallel_configs]\ntensor_parallel_degree = 2\n"
-     "tensor_init_seed = 7\n", "tensor_init_seed"),
+     "tensor_init_seed = -3\n", "tensor_init_seed = -3"),
     ("heter_ccl_mode = true\n", "heter_ccl_mode"),
     ("lamb = true\n", 'optimizer.type = "Adam"'),
 ])
@@ -163,11 +183,12 @@ def test_cli_header_shows_the_translation(tmp_path, cache, capsys):
 def test_cli_refuses_in_one_line(tmp_path, cache, capsys):
     from bigbatch.cli.main import main
 
-    bad = tmp_path / "geo.toml"
-    bad.write_text("batch_size = 4\na_sync = true\n[a_sync_configs]\nk_steps = 2\n" + OPTIMIZER)
+    bad = tmp_path / "offload.toml"
+    bad.write_text("batch_size = 4\nrecompute = true\n[recompute_configs]\ncheckpoints = ['fc']\n"
+                   "enable_offload = true\n" + OPTIMIZER)
     hybrid = tmp_path / "hybrid.toml"
     hybrid.write_text("batch_size = 4\n[hybrid_configs]\ndp_degree = 2\n" + OPTIMIZER)
-    for path, named in ((bad, "a_sync_configs.k_steps=2"), (hybrid, "need 2 processes")):
+    for path, named in ((bad, "recompute_configs.enable_offload"), (hybrid, "need 2 processes")):
         with in_process(cache):
             assert main(["train", "--fleet", str(path), "--nproc", "1",
                          "--out", str(tmp_path / "x")]) == 2

@@ -133,10 +133,13 @@ def _tensor_parallel(t: FleetTranslation, data: Mapping[str, Any], degrees: dict
               "tensor_parallel.tensor_parallel_degree", degree)
     else:
         t.set(f"{where}.mp_degree", "tensor_parallel.tensor_parallel_degree", degree)
-    if c["tensor_init_seed"] != -1:
-        raise refuse(src, "tensor_parallel_configs.tensor_init_seed", "bigbatch builds the "
-                     "whole model on every rank from the run's --seed and slices it, so the "
-                     "weights are the same whatever the degree; drop the key and use --seed")
+    seed = c["tensor_init_seed"]
+    if seed != -1:  # Fleet's -1: not set
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ConfigError(f"{src}: tensor_parallel_configs.tensor_init_seed = {seed!r}: "
+                              "an int >= 0, or -1 for the run's --seed")
+        t.set("tensor_parallel_configs.tensor_init_seed", "tensor_parallel.tensor_init_seed",
+              seed)
 
 
 def _pipeline(t: FleetTranslation, data: Mapping[str, Any], degrees: dict[str, int],
@@ -162,13 +165,17 @@ def _pipeline(t: FleetTranslation, data: Mapping[str, Any], degrees: dict[str, i
 
 def _a_sync(t: FleetTranslation, data: Mapping[str, Any], src: str) -> None:
     c = take(data.get("a_sync_configs", {}), "a_sync_configs", A_SYNC_KEYS, src)
-    if c["k_steps"] > 0:
-        raise refuse(src, f"a_sync_configs.k_steps={c['k_steps']}", "GEO mode (k local "
-                     "steps, then the deltas pushed) is not implemented; k_steps = 0 runs "
-                     "async, a_sync = false sync")
+    k = c["k_steps"]
+    if isinstance(k, bool) or not isinstance(k, int) or k < -1:
+        raise ConfigError(f"{src}: a_sync_configs.k_steps = {k!r}: an int; 0 (or -1, "
+                          "Fleet's default) runs async, k > 0 runs GEO with k local steps")
     t.set("a_sync", "parameter_server.enable", True)
-    t.set("a_sync_configs.k_steps" if "k_steps" in data.get("a_sync_configs", {}) else "a_sync",
-          "parameter_server.mode", "async")
+    given = "a_sync_configs.k_steps" if "k_steps" in data.get("a_sync_configs", {}) else "a_sync"
+    if k > 0:  # GEO-SGD: k local steps, then the deltas added on the servers
+        t.set(given, "parameter_server.mode", "geo")
+        t.set(given, "parameter_server.geo_k_steps", k)
+    else:
+        t.set(given, "parameter_server.mode", "async")
     for key in A_SYNC_TUNING:
         if key in data.get("a_sync_configs", {}):
             t.note(f"a_sync_configs.{key}", "(no effect: Paddle's PS runtime tuning)")

@@ -115,14 +115,20 @@ class ParameterServerConfig(_Section):
 
     enable: bool = _f(True)
     """Switch the parameter-server mode on (a present section means true)."""
-    mode: str = _f("sync", choices=("sync", "async"))
+    mode: str = _f("sync", choices=("sync", "async", "geo"))
     """sync: a step waits for every worker's gradient (equals data parallelism); async: each
-    gradient is applied as it arrives (Fleet's a_sync)."""
+    gradient is applied as it arrives (Fleet's a_sync); geo: each worker steps its own copy
+    with the strategy's optimizer for geo_k_steps steps, then the servers add every worker's
+    delta (its weights minus the last pulled, divided by the worker count) and the workers
+    pull (Fleet's GEO-SGD, a_sync_configs.k_steps > 0)."""
     servers: int = _f(1, ge=1)
     """Ranks 0..servers-1 hold parameter shards; the other ranks are workers."""
     max_staleness: int = _f(4, ge=0)
     """async: a gradient computed on weights more than this many server updates old is
     dropped and counted."""
+    geo_k_steps: int = _f(4, ge=1)
+    """geo: local optimizer steps between two exchanges with the servers (Fleet's
+    a_sync_configs.k_steps); the last round of a run may be shorter."""
 
 
 @dataclass(frozen=True)
@@ -159,6 +165,11 @@ class TensorParallelConfig(_Section):
     tensor_parallel_degree: int = _f(1, ge=1)
     """Ranks that hold slices of one layer; 1: off. The data-parallel degree is
     world size / tensor_parallel_degree."""
+    tensor_init_seed: int | None = _f(None, ge=0)
+    """Seed of the model's initial weights (Fleet's tensor_init_seed); unset: the run's
+    --seed. Every rank builds the whole model from it and then slices it, so the initial
+    weights are the same whatever the degree (one process included); the data order and
+    the other RNG streams follow --seed."""
 
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "PipeDream")

@@ -10,6 +10,14 @@ parameters, compute a gradient on their batch and push each server its part.
 - async: a server applies each gradient as it arrives. A gradient computed on
   parameters more than `max_staleness` versions old is dropped and counted; the
   staleness of every applied one is kept as a histogram.
+- geo (Fleet's GEO-SGD): each worker steps its own copy of the model with the
+  optimizer for k steps, then pushes a delta per tensor, d = (x - old) / W, where `old`
+  is what it last pulled, and moves `old` by d (`geo_delta`). A server waits for every
+  worker's delta of the round and adds them to its tensors one by one in worker order
+  (no optimizer on the server); each worker then takes the new values v and keeps what
+  it did not send: x = v + (x - old), old = v (`geo_take`). This is the arithmetic of
+  Paddle's GeoCommunicator (SendDense, RecvDense); Paddle's communicator does not wait
+  for the other workers, bigbatch's round does, so the result does not depend on timing.
 
 This module is the protocol only. The server's optimizer step is injected
 (`Server.step_fn(grads, pushes)`; the main job runs the engine's step there), and on
@@ -30,8 +38,8 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
-__all__ = ["Push", "Reply", "Server", "Worker", "assign_shards", "serve", "server_name",
-           "start_rpc", "worker_name"]
+__all__ = ["Push", "Reply", "Server", "Worker", "assign_shards", "geo_delta", "geo_take",
+           "serve", "server_name", "start_rpc", "worker_name"]
 
 _SERVER: Server | None = None  # this process's server, for the RPC entry points
 
@@ -110,7 +118,8 @@ class Server:
     mode: str
     max_staleness: int
     step_fn: Callable[[list[torch.Tensor], list[Push]], None]
-    """Apply one optimizer step: (gradient per owned tensor, the pushes behind it)."""
+    """Apply one optimizer step: (gradient per owned tensor, the pushes behind it); geo
+    calls it after adding the round's deltas, with no gradient ([])."""
     state_fn: Callable[[], Any] = lambda: None
     """This server's resumable state (its engine's state_dict), taken between steps."""
     gated: bool = False
@@ -136,14 +145,18 @@ class Server:
                 self.stop = True
                 fut.set_result(self._reply(applied=False))
                 return fut
-            if self.mode == "sync":
+            if self.mode in ("sync", "geo"):
                 self._pending[p.worker] = (p, fut)
                 if len(self._pending) < self.workers:
                     return fut
                 pushes = [self._pending[w][0] for w in sorted(self._pending)]
                 futs = [self._pending[w][1] for w in sorted(self._pending)]
                 self._pending.clear()
-                self.step_fn(mean_gradient(pushes), pushes)
+                if self.mode == "sync":
+                    self.step_fn(mean_gradient(pushes), pushes)
+                else:
+                    add_deltas(self.params, pushes)
+                    self.step_fn([], pushes)
             else:
                 staleness = self.version - p.version
                 if staleness > self.max_staleness:
@@ -210,6 +223,39 @@ def mean_gradient(pushes: Sequence[Push]) -> list[torch.Tensor]:
     return out
 
 
+def add_deltas(params: Sequence[torch.Tensor], pushes: Sequence[Push]) -> None:
+    """geo: each worker's delta added to the server's tensors, one worker after the other
+    (as a Paddle server adds each delta it receives), in worker order."""
+    with torch.no_grad():
+        for p in pushes:
+            torch._foreach_add_(list(params), p.grads)
+
+
+def geo_delta(params: Sequence[torch.Tensor], old: Sequence[torch.Tensor],
+              workers: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A GEO worker's send: d = (x - old) / W per tensor, then old += d (in place).
+    Returns (d, x - old): the deltas to push and the part of its progress the worker
+    keeps (all of it but 1/W; nothing with one worker)."""
+    scale = 1.0 / workers
+    deltas = []
+    with torch.no_grad():
+        for x, o in zip(params, old, strict=True):
+            d = (x.detach() - o) * scale
+            o.add_(d)
+            deltas.append(d)
+        kept = [x.detach() - o for x, o in zip(params, old, strict=True)]
+    return deltas, kept
+
+
+def geo_take(params: Sequence[torch.Tensor], old: Sequence[torch.Tensor],
+             values: Sequence[torch.Tensor], kept: Sequence[torch.Tensor]) -> None:
+    """A GEO worker's pull: x = v + kept, old = v (in place), v the servers' values."""
+    with torch.no_grad():
+        for x, o, v, k in zip(params, old, values, kept, strict=True):
+            x.copy_(v + k)
+            o.copy_(v)
+
+
 def serve(server: Server) -> None:
     """Make `server` the one this process's RPC entry points reach."""
     global _SERVER
@@ -250,6 +296,8 @@ class Worker:
         self.by_server = [[i for i, s in enumerate(owner) if s == srv] for srv in range(servers)]
         self.versions = [0] * servers
         self.timeout_s = timeout_s
+        self.old: list[torch.Tensor] = []
+        """geo: the values this worker last pulled, moved by what it sent since."""
 
     def _take(self, server: int, reply: Reply) -> None:
         self.versions[server] = reply.version
@@ -258,9 +306,35 @@ class Worker:
                 self.params[i].copy_(value)
 
     def pull(self) -> None:
-        """The servers' current parameters into this worker's model."""
+        """The servers' current parameters into this worker's model (geo: and `old`)."""
         for s in range(len(self.by_server)):
             self._take(s, rpc.rpc_sync(server_name(s), _pull, timeout=self.timeout_s))
+        self.old = [p.detach().clone() for p in self.params]
+
+    def keep(self, kept: Sequence[torch.Tensor]) -> None:
+        """geo, on resume after `pull`: the progress this worker kept (x = pulled + kept)."""
+        geo_take(self.params, self.old, [o.clone() for o in self.old], kept)
+
+    def push_delta(self, workers: int, count: float, loss: float,
+                   extra: dict[str, Any] | None = None) -> tuple[bool, list[bool]]:
+        """geo: send each server the deltas of its tensors (`geo_delta`), take the new
+        values back (`geo_take`). `extra` gets the kept progress as ``"geo_kept"`` (what a
+        checkpoint needs to resume this worker). (stop, applied per server)."""
+        deltas, kept = geo_delta(self.params, self.old, workers)
+        if extra is not None:
+            extra["geo_kept"] = kept
+        futs = []
+        for s, idx in enumerate(self.by_server):
+            p = Push(self.index, self.versions[s], [deltas[i] for i in idx], count, loss,
+                     extra if s == 0 else None)
+            futs.append(rpc.rpc_async(server_name(s), _push, args=(p,), timeout=self.timeout_s))
+        replies = [f.wait() for f in futs]
+        for s, (reply, idx) in enumerate(zip(replies, self.by_server, strict=True)):
+            self.versions[s] = reply.version
+            if reply.applied:
+                geo_take([self.params[i] for i in idx], [self.old[i] for i in idx],
+                         reply.params, [kept[i] for i in idx])
+        return any(r.stop for r in replies), [r.applied for r in replies]
 
     def push(self, grads: Sequence[torch.Tensor], count: float, loss: float,
              extra: Any = None) -> tuple[bool, list[bool]]:

@@ -1,4 +1,5 @@
-"""The lines a run prints before its first step: the strategy's overview for a new run
+"""The lines a run prints before its first step: the launch table (who runs where), the
+strategy's overview for a new run
 (with the warmup fitted to a short try and the LR the range test found), or where a
 resume picks up; then the weight-decay / trust-ratio exclusion summary."""
 
@@ -17,11 +18,13 @@ __all__ = ["header_lines"]
 def header_lines(run: Any, strategy: Any, out: Path, sampler: Any, saved: Any,
                  steps_per_epoch: int | None, total_steps: int, lr_found: dict | None,
                  warmup_note: str | None, *, resumed: bool,
-                 data_note: str | None = None, fleet: str | None = None) -> list[str]:
-    """What `bigbatch train` prints under its progress bar before training; `data_note`
-    (the task's `data_note()`) says which data set it trains on, first; `fleet`: the Fleet
-    strategy file the strategy came from, whose translation precedes the overview."""
-    data = [data_note] if data_note else []
+                 data_note: str | None = None, fleet: str | None = None,
+                 launch: list[str] | None = None) -> list[str]:
+    """What `bigbatch train` prints under its progress bar before training; `launch`
+    (`bigbatch.train.launch_table.launch_lines`): who runs where, first, new run or resumed;
+    `data_note` (the task's `data_note()`) says which data set it trains on; `fleet`: the
+    Fleet strategy file the strategy came from, whose translation precedes the overview."""
+    data = [*(launch or []), *([data_note] if data_note else [])]
     if resumed:
         lines = [*data, f"resuming {out} from step {run.step} (epoch {sampler.epoch}, "
                  f"sample {sampler.position})"]

@@ -15,7 +15,7 @@ from bigbatch.tasks import Task, get_task
 from bigbatch.tasks.sampler import GlobalBatchSampler
 from bigbatch.train.config import TrainConfig
 
-__all__ = ["fit_warmup", "load_task", "plan_run"]
+__all__ = ["build_model", "fit_warmup", "load_task", "plan_run"]
 
 
 def load_task(config: TrainConfig, world: World) -> Task:
@@ -53,6 +53,21 @@ def fit_warmup(config: TrainConfig, strategy: Strategy, task: Task,
             f"{warmup} of its recipe's {recipe_steps}; set batch.warmup_steps to choose)")
     return strategy.with_overrides(["batch.warmup_epochs=0.0",
                                     f"batch.warmup_steps={fitted}"]), note
+
+
+def build_model(task: Task, name: str, seed: int, strategy: Strategy) -> Any:
+    """The task's model with its initial weights drawn from
+    `tensor_parallel.tensor_init_seed`, else from the run's `seed`, whole on every rank
+    (the layout slices it later): the same weights whatever the degrees. The global RNGs
+    are left seeded with `seed` either way."""
+    from bigbatch.train import data
+
+    init_seed = strategy.tensor_parallel.tensor_init_seed
+    data.seed_everything(seed if init_seed is None else init_seed)
+    model = task.build_model(name)
+    if init_seed is not None:
+        data.seed_everything(seed)
+    return model
 
 
 def plan_run(config: TrainConfig, strategy: Strategy, task: Task, world_size: int,

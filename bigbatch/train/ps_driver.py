@@ -5,7 +5,11 @@ A step is one global batch of gradients applied, in both modes (as `--steps`, th
 metrics, the checkpoints and the summary count it): in sync mode one server update,
 in async mode as many updates as there are workers (`per`). Logs, evaluations and
 checkpoints happen at step boundaries only, a stop on a signal included: an async
-server applies the pushes that complete the step in progress first."""
+server applies the pushes that complete the step in progress first. In geo mode a server
+update is a round of up to geo_k_steps local steps; server 0 keeps a copy of worker 0's
+engine state (its schedule position, optimizer state) as its own `run`, so that the step,
+the LR and the end of the run are the workers', and logs, evaluates and checkpoints at the
+first round boundary at or after each interval."""
 
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from bigbatch.train.checkpoint import (
     save_checkpoint,
     write_text_atomic,
 )
+from bigbatch.train.launch_table import launch_lines
 from bigbatch.train.outdir import RUN_FILE
 from bigbatch.train.progress import MetricsWriter, ProgressBar, closing_line
 from bigbatch.train.signals import Stopped
@@ -47,7 +52,11 @@ class Driver:
         self.job, self.run, self.server = job, run, server
         cfg, plan = job.config, job.plan
         self.sync = job.cfg.mode == "sync"
-        self.per = per = 1 if self.sync else job.workers  # server updates per step
+        self.geo = job.cfg.mode == "geo"
+        self.rounds = self.sync or self.geo
+        """Every server steps at the same versions (a checkpoint waits for them)."""
+        per = job.workers if job.cfg.mode == "async" else 1
+        self.per = per  # server updates per step (geo: per round, see `_position`)
         self.batch = plan.global_batch_size // per
         self.steps_per_epoch = job.spe * per
         self.ckpt_every = (cfg.checkpoint_every * per if cfg.checkpoint_every
@@ -69,16 +78,20 @@ class Driver:
         """The step the last checkpoint holds (the resumed one's, before the first save)."""
         self.saved_path: Path | None = job.resume_from
         self._stop_tries = 0
+        self._pos = self._position(server.version)
         server.is_done = lambda: run.done
         out = Path(cfg.out)
         job.files.begin(overwrite=cfg.overwrite and not cfg.resume)
         write_recorded(job.files, out / "strategy.toml", job.strategy.to_toml())
-        write_recorded(job.files, out / RUN_FILE, json.dumps(cfg.to_dict(), indent=2) + "\n")
+        write_recorded(job.files, out / RUN_FILE,
+                       json.dumps({**cfg.to_dict(), "launch": job.launch}, indent=2) + "\n")
         self.writer = MetricsWriter(out, tensorboard=cfg.tensorboard, files=job.files,
                                     resume_step=job.ckpt["step"] if job.ckpt is not None else None)
         # The checkpoint's step, not run.step: the workers may have pushed a step already.
         self.bar = ProgressBar(job.total_steps, int(run.progress // per), enabled=True,
                                bar=cfg.progress)
+        for line in launch_lines(job.launch) if job.launch is not None else []:
+            self.bar.print(line)
         if (note := job.task.data_note()) is not None:
             self.bar.print(note)
         if job.ckpt is not None:
@@ -117,6 +130,14 @@ class Driver:
                 raise TimeoutError(f"parameter server: no gradient arrived within "
                                    f"data_parallel.timeout_s={self.job.timeout:g} (timed out)")
 
+    def _position(self, version: int) -> int:
+        """Where the run is, in the units of the intervals: server updates (steps times
+        `per`), geo: steps (worker 0's, as server 0's `run` holds them)."""
+        return self.run.step if self.geo else version
+
+    def _step_of(self, version: int) -> int:
+        return self.run.step if self.geo else version // self.per
+
     def loop(self) -> dict[str, Any]:
         run, server = self.run, self.server
         while True:
@@ -125,35 +146,40 @@ class Driver:
                 return self._stop(None)
             version, pushes, release = event
             self._take(version, pushes)
+            before, self._pos = self._pos, self._position(version)
+
+            def due(every: int | None, before: int = before) -> bool:
+                return bool(every) and self._pos // every > before // every
+
             if self._own_signal() is not None and not run.done and version % self.per == 0:
                 # Async: stop here unless a later push is applied already (then at the next
                 # boundary; after a few tries, wherever the updates are).
                 self._stop_tries += 1
                 if server.finish(at=version) or self._stop_tries > _STOP_TRIES:
-                    self._log(version)
+                    self._log(self._pos)
                     return self._stop(release)
             with server.lock:  # no step is applied once done, so no event can follow
                 last = run.done and server.events.empty()
-            if version % self.log_every == 0 or last:
-                self._log(version)
+            if due(self.log_every) or last:
+                self._log(self._pos)
             if last:
                 server.finish()  # the replies now say stop
                 release()
                 break
             if not run.done:
-                if self.eval_every and version % self.eval_every == 0:
+                if due(self.eval_every):
                     self.evaluate(version)
-                if version % self.steps_per_epoch == 0:
+                if due(self.steps_per_epoch):
                     self.evaluate(version)
                     self.checkpoint()
-                elif version % self.ckpt_every == 0:
+                elif due(self.ckpt_every):
                     self.checkpoint()
             release()
         metrics = self.evaluate(server.version)  # the last step's events skip the per-epoch one
         self.checkpoint()
         with server.lock:
-            weights = {k: v.clone() for k, v in self.job.full_model(server, run.step
-                                                                    if self.sync else 0).items()}
+            at = run.step if self.sync else server.version if self.geo else 0
+            weights = {k: v.clone() for k, v in self.job.full_model(server, at).items()}
         summary = summary_of(self.job, run, server, self, metrics)
         self.bar.close()
         write_outputs(self.job, summary, weights, self.writer, self.bar)
@@ -165,7 +191,7 @@ class Driver:
         Between steps (`release` None: a worker is gone mid-step) the last completed step
         is checkpointed, unless the last checkpoint holds it already."""
         self.server.finish()  # no later push is applied; its reply says stop
-        step = self.server.version // self.per
+        step = self._step_of(self.server.version)
         if self.server.version % self.per == 0 and self.saved != step:
             step, path = self.checkpoint()
         else:
@@ -178,6 +204,7 @@ class Driver:
         return {"stopped": self.signal, "step": step}
 
     def _take(self, version: int, pushes: list[Any]) -> None:
+        before = self.run.step
         for p in pushes:
             if p.extra is not None and p.extra.get("signal"):
                 self.signal = self.signal or int(p.extra["signal"])
@@ -186,14 +213,22 @@ class Driver:
             if p.extra is not None:
                 self.worker_states[p.worker] = {"sampler": p.extra["sampler"],
                                                 "rng": p.extra["rng"]}
+                if self.geo:  # the worker's own optimizer and what it kept of its progress
+                    self.worker_states[p.worker].update(engine=p.extra["geo_engine"],
+                                                        kept=p.extra["geo_kept"])
+                    if p.worker == 0:
+                        self.run.load_state_dict(p.extra["geo_engine"])
                 if "buffers" in p.extra:  # worker 0's BatchNorm statistics, as DDP keeps them
                     buffers = dict(self.job.model.named_buffers())
                     with torch.no_grad():
                         for k, v in p.extra["buffers"].items():
                             buffers[k].copy_(v)
-            if not self.sync:
+            if not self.rounds:
                 self._stale.append(version - 1 - p.version)
-        self.samples += self.batch
+        if self.geo:  # every worker took the round's local steps, one global batch each
+            self.samples += self.job.plan.global_batch_size * (self.run.step - before)
+        else:
+            self.samples += self.batch
 
     def _log(self, step: int) -> None:
         now = time.perf_counter()
@@ -206,7 +241,7 @@ class Driver:
         record = {"kind": "train", "step": step // self.per, "epoch": self.epoch, "loss": loss,
                   "samples_per_s": rate, "global_batch_size": self.job.plan.global_batch_size,
                   **{k: v for k, v in stats.items() if k != "step"}}
-        if not self.sync:
+        if not self.rounds:
             record.update(staleness_mean=statistics.mean(self._stale) if self._stale else 0.0,
                           staleness_max=max(self._stale, default=0),
                           dropped=self.server.dropped)
@@ -222,9 +257,9 @@ class Driver:
     def evaluate(self, version: int) -> dict[str, float]:
         """Test metrics of the model at server `version` (a step boundary)."""
         with self.server.lock:
-            weights = self.job.full_model(self.server, version if self.sync else 0)
+            weights = self.job.full_model(self.server, version if self.rounds else 0)
             self.eval_model.load_state_dict(weights)
-        step = version // self.per
+        step = self._step_of(version)
         job = self.job
         batches = data.shard_batches(job.task.test_set, 0, 1, job.config.eval_batch_size)
         metrics = job.task.evaluate(self.eval_model, batches)

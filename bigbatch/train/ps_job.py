@@ -9,6 +9,12 @@ it owns. Server 0 owns the outputs: between steps it logs, evaluates the whole m
 0's) and writes checkpoints that hold every server's state and every worker's data
 position and RNG; `--resume` continues from them. In sync mode a resumed run equals an
 uninterrupted one; in async mode which gradients land when is timing, so is its resume.
+
+In geo mode (Fleet's GEO-SGD) the workers run the engine: each steps its own copy of the
+model with the strategy's optimizer and schedule (a step is one global batch, every worker
+one local step, as in local SGD), and every `geo_k_steps` steps exchanges deltas with the
+servers, which only add them. A checkpoint holds each worker's engine state and the
+progress it kept, so a resumed geo run equals an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -37,8 +43,9 @@ from bigbatch.train.checkpoint import (
     CHECKPOINT_FORMAT,
     load_training_checkpoint,
 )
+from bigbatch.train.launch_table import gather_launch
 from bigbatch.train.outdir import prepare_out
-from bigbatch.train.plan import fit_warmup, load_task, plan_run
+from bigbatch.train.plan import build_model, fit_warmup, load_task, plan_run
 from bigbatch.train.ps_driver import Driver
 from bigbatch.train.signals import Stopped
 
@@ -91,8 +98,7 @@ def train_parameter_server(config: Any, strategy: Any, world: World,
         saved = ckpt["engine"]["batch"] if ckpt is not None else None
         plan, sampler, total_steps, spe = plan_run(config, strategy, task, world.world_size,
                                                    world.rank, saved)
-        data.seed_everything(config.seed)
-        model = task.build_model(task.check_model(config.model))
+        model = build_model(task, task.check_model(config.model), config.seed, strategy)
         if ckpt is not None:
             model.load_state_dict(ckpt["model"])
         cfg = strategy.parameter_server
@@ -101,6 +107,7 @@ def train_parameter_server(config: Any, strategy: Any, world: World,
         rpc_on = True
         job = _Job(config, strategy, task, model, plan, total_steps, spe, ckpt, world)
         job.files, job.stop, job.warmup_note = files, stop, warmup_note
+        job.launch = gather_launch(world)  # every rank's place, once
         if world.rank < cfg.servers:
             result = job.serve(resume_from)
         else:
@@ -181,6 +188,8 @@ class _Job:
         self.timeout = strategy.data_parallel.timeout_s
         self.stop: Any = None
         self.warmup_note: str | None = None
+        self.launch: dict[str, Any] | None = None
+        """`bigbatch.train.launch_table.gather_launch`'s table (server 0 writes it)."""
         """`bigbatch.train.plan.fit_warmup`'s line, shown under the overview."""
         self.resume_from: Path | None = None
         self.stopped: Stopped | None = None
@@ -188,6 +197,11 @@ class _Job:
         ranks' (raised too, for the exit status) carry no step."""
 
     # ------------------------------------------------------------------ worker
+
+    def _alone(self) -> Any:
+        """The strategy without [parameter_server]: the engine of one process."""
+        return dataclasses.replace(self.strategy,
+                                   parameter_server=ParameterServerConfig(enable=False))
 
     def work(self, sampler, slow_worker) -> dict[str, Any]:
         w = self.world.rank - self.servers
@@ -197,6 +211,8 @@ class _Job:
             set_rng_state(state["rng"])
         else:
             data.seed_everything(self.config.seed * 1000 + w + 1)
+        if self.cfg.mode == "geo":
+            return self._work_geo(w, sampler, state, slow_worker)
         client = ps.Worker(w, self.params, self.owner, self.servers, self.timeout)
         barrier(self.world)  # the servers serve
         client.pull()
@@ -233,6 +249,51 @@ class _Job:
         self._stopped_elsewhere()
         return {"worker": w, "pushes": steps}
 
+    def _work_geo(self, w, sampler, state, slow_worker) -> dict[str, Any]:
+        """k local optimizer steps on this worker's batches, then the delta exchanged."""
+        # The global plan on one process, as the sync server runs it: the LR and schedule
+        # of the global batch, each worker's gradient the mean over its own items.
+        run = prepare(self.model, self._alone(), total_steps=self.total_steps,
+                      steps_per_epoch=self.spe, world=World(), plan=self.plan)
+        if state is not None:
+            run.load_state_dict(state["engine"])
+        client = ps.Worker(w, self.params, self.owner, self.servers, self.timeout)
+        barrier(self.world)  # the servers serve
+        client.pull()
+        if state is not None:
+            client.keep(state["kept"])
+        k = self.cfg.geo_k_steps
+        loss_sum, count = torch.zeros((), dtype=torch.float64), 0.0
+        rounds, stop = 0, False
+        while not stop:
+            for micro_batches in sampler:
+                for idx in micro_batches:
+                    batch = data.fetch(self.task.train_set, idx, torch.device("cpu"))
+                    with run.micro_step() as ms:
+                        loss, n = self.task.loss(run.model(batch[0]), batch)
+                        ms.backward(loss, count=n)
+                    loss_sum += loss.detach().double()
+                    count += float(n)
+                if run.step % k and not run.done:
+                    continue  # the round goes on
+                extra = {"sampler": sampler.state_dict(), "rng": rng_state(),
+                         "signal": self.stop.requested if self.stop is not None else None,
+                         "geo_engine": run.state_dict()}
+                if w == 0:
+                    extra["buffers"] = {n: v.detach().clone()
+                                        for n, v in self.model.named_buffers()}
+                stop, _ = client.push_delta(self.workers, count, float(loss_sum), extra)
+                loss_sum, count = torch.zeros((), dtype=torch.float64), 0.0
+                rounds += 1
+                if slow_worker is not None and slow_worker[0] == w:
+                    time.sleep(slow_worker[1])
+                if stop:
+                    break
+            if not stop:
+                sampler.next_epoch()
+        self._stopped_elsewhere()
+        return {"worker": w, "pushes": rounds, "steps": run.step}
+
     def _stopped_elsewhere(self) -> None:
         """A rank that is not server 0: if it got a signal, it ends with that status too."""
         if self.stop is not None and self.stop.requested is not None:
@@ -241,16 +302,16 @@ class _Job:
     # ------------------------------------------------------------------ server
 
     def _server_run(self, index: int) -> Any:
-        for p, owner in zip(self.params, self.owner, strict=True):
-            p.requires_grad_(owner == index)
+        """The engine a server steps with (geo: server 0's copy of worker 0's, whole)."""
+        if self.cfg.mode != "geo":
+            for p, owner in zip(self.params, self.owner, strict=True):
+                p.requires_grad_(owner == index)
         plan, total, spe = self.plan, self.total_steps, self.spe
         if self.cfg.mode == "async":  # each update is one worker's batch
             plan = self.strategy.batch_plan(plan.micro_batch_size * plan.k_steps,
                                             plan.micro_batch_size, plan.k_steps, 1)
             total, spe = total * self.workers, spe * self.workers
-        alone = dataclasses.replace(self.strategy,
-                                    parameter_server=ParameterServerConfig(enable=False))
-        run = prepare(self.model, alone, total_steps=total, steps_per_epoch=spe, world=World(),
+        run = prepare(self.model, self._alone(), total_steps=total, steps_per_epoch=spe, world=World(),
                       track_stats=True, plan=plan)
         if self.saved is not None:
             run.load_state_dict(self.saved["server_states"][index])
@@ -277,10 +338,14 @@ class _Job:
     def serve(self, resume_from: Path | None) -> dict[str, Any]:
         index = self.world.rank
         self.resume_from = resume_from
-        run = self._server_run(index)
+        geo = self.cfg.mode == "geo"
+        run = self._server_run(index) if index == 0 or not geo else None
         owned = [p for p, o in zip(self.params, self.owner, strict=True) if o == index]
+        # geo: the servers add deltas (`ps.add_deltas`), with no optimizer of their own
+        step_fn = (lambda grads, pushes: None) if geo else self._step_fn(run)
         server = ps.Server(index, owned, self.workers, self.cfg.mode, self.cfg.max_staleness,
-                           self._step_fn(run), state_fn=run.state_dict, gated=index == 0)
+                           step_fn, state_fn=run.state_dict if run is not None else lambda: None,
+                           gated=index == 0)
         if self.saved is not None:
             server.version = int(self.saved["versions"][index])
             server.staleness.update({int(k): v for k, v in self.saved["staleness"][index].items()})
@@ -303,7 +368,7 @@ class _Job:
         return self.model.state_dict()
 
     def checkpoint_payload(self, run, server, driver) -> dict[str, Any]:
-        sync = self.cfg.mode == "sync"
+        sync = self.cfg.mode in ("sync", "geo")  # every server at the same version
         version = server.version
         states, versions, staleness, dropped = [], [], [], []
         for s in range(self.servers):

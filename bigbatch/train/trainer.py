@@ -53,11 +53,12 @@ from bigbatch.train.checkpoint import (
 from bigbatch.train.checkpointer import Checkpointer
 from bigbatch.train.config import MAX_NONFINITE_SKIPS, TrainConfig
 from bigbatch.train.header import header_lines
+from bigbatch.train.launch_table import gather_launch, launch_lines
 from bigbatch.train.lr_phase import CURVE_FILE, lr_find_phase
 from bigbatch.train.nonfinite import NonFiniteGuard, NonFiniteLossError
 from bigbatch.train.outdir import RUN_FILE, prepare_out
 from bigbatch.train.pipeline_eval import evaluate_pipeline
-from bigbatch.train.plan import fit_warmup, load_task, plan_run
+from bigbatch.train.plan import build_model, fit_warmup, load_task, plan_run
 from bigbatch.train.progress import (
     MetricsWriter,
     ProgressBar,
@@ -133,8 +134,7 @@ class _Trainer:
             check_resume(config, strategy, ckpt, resume_from.name, self.model_name,
                          self.total_steps)
 
-        data.seed_everything(config.seed)
-        model = task.build_model(self.model_name)
+        model = build_model(task, self.model_name, config.seed, strategy)
         if ckpt is not None and "model" in ckpt:
             model.load_state_dict(ckpt["model"])
         self.run = run = prepare(model, strategy, total_steps=self.total_steps,
@@ -166,10 +166,12 @@ class _Trainer:
         self.log_every = config.log_every or max(1, min(50, step_units // 10))
         self.timer = {"compute": 0.0, "eval": 0.0, "checkpoint": 0.0}
         self.writer = None
+        launch = gather_launch(world)  # every rank's place, once
         if self.main:  # every check passed: now the directory is written
             self.files.begin(overwrite=config.overwrite and not config.resume)
             self._write("strategy.toml", strategy.to_toml())
-            self._write(RUN_FILE, json.dumps(config.to_dict(), indent=2) + "\n")
+            self._write(RUN_FILE, json.dumps({**config.to_dict(), "launch": launch},
+                                             indent=2) + "\n")
             if curve is not None:
                 self._write(CURVE_FILE, curve)
             self.writer = MetricsWriter(self.out, tensorboard=config.tensorboard,
@@ -180,7 +182,7 @@ class _Trainer:
         for line in header_lines(run, strategy, self.out, self.sampler, saved, spe,
                                  self.total_steps, self.lr_found, warmup_note,
                                  resumed=ckpt is not None, data_note=task.data_note(),
-                                 fleet=config.fleet):
+                                 fleet=config.fleet, launch=launch_lines(launch)):
             self.bar.print(line)
 
     def _restore(self, ckpt: dict) -> None:
