@@ -215,3 +215,21 @@ def test_strategy_section_builds_muon_with_the_keys():
     assert muon_group["param_names"] == ["1.weight"]
     assert (muon_group["momentum"], muon_group["ns_steps"], muon_group["weight_decay"],
             muon_group["betas"]) == (0.9, 6, 0.05, (0.9, 0.95))
+
+
+def test_empty_group_shares_stay_and_a_meta_step_runs():
+    """ZeroRedundancyOptimizer gives a rank empty shares of some groups: the local Muon
+    keeps them (its groups must pair with ZeRO's one to one); `bigbatch plan` steps on
+    the meta device."""
+    w, b = torch.randn(4, 3), torch.randn(4)
+    opt = Muon([{"params": [], "use_muon": True}, {"params": [w], "use_muon": True},
+                {"params": [b], "use_muon": False}, {"params": []}], lr=0.01)
+    assert [len(g["params"]) for g in opt.param_groups] == [0, 1, 1, 0]
+    assert [g["use_muon"] for g in opt.param_groups] == [True, True, False, False]
+    meta = [torch.empty(4, 3, device="meta", requires_grad=True),
+            torch.empty(4, device="meta", requires_grad=True)]
+    for p in meta:
+        p.grad = torch.empty_like(p)
+    on_meta = Muon(meta, lr=0.01)
+    on_meta.step()
+    assert all(v.device.type == "meta" for s in on_meta.state.values() for v in s.values())

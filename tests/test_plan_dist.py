@@ -31,14 +31,15 @@ def _model() -> CharTransformer:
 
 
 def _strategy(mode: str, k: int, world: int) -> Strategy:
-    """`mode`: "+"-joined parts: ddp, zero1-3, tp2, pp2."""
+    """`mode`: "+"-joined parts: ddp, zero1-3, tp2, pp2; muon (else LAMB)."""
     parts = mode.split("+")
     tensor = 2 if "tp2" in parts else 1
     stages = 2 if "pp2" in parts else 1
     data = world // (tensor * stages)
     d = {"batch": {"global_batch_size": MICRO * k * data, "base_batch_size": 4,
                    "base_lr": 1e-3},
-         "optimizer": {"type": "adamw", "weight_decay": 0.0}, "lamb": {}}
+         "optimizer": {"type": "adamw", "weight_decay": 0.0},
+         "muon" if "muon" in parts else "lamb": {}}
     if stages > 1:
         d["pipeline"] = {"pp_degree": stages, "accumulate_steps": k}
     elif k > 1:
@@ -147,7 +148,10 @@ def _check(layouts: list[tuple[str, int]], world: int, measured: list[dict]) -> 
 
 
 WORLD2 = [("ddp", 1), ("ddp", 2), ("zero1", 1), ("zero2", 2), ("zero3", 1), ("zero3", 2),
-          ("tp2", 2), ("pp2", 2), ("pp2", 4)]
+          ("tp2", 2), ("pp2", 2), ("pp2", 4),
+          # Muon: ZeRO-1's partition of its groups; the two all-to-alls of whole matrices
+          # (ZeRO-2/3, TP), once a step whatever the merge.
+          ("zero1+muon", 1), ("zero3+muon", 2), ("tp2+muon", 1)]
 
 
 def test_plan_equals_two_gloo_ranks():
@@ -155,7 +159,8 @@ def test_plan_equals_two_gloo_ranks():
     _check(WORLD2, 2, measured)
 
 
-WORLD4 = [("pp2+zero3", 2), ("tp2", 1), ("tp2+zero3", 2)]
+WORLD4 = [("pp2+zero3", 2), ("tp2", 1), ("tp2+zero3", 2),
+          ("tp2+zero3+muon", 1)]  # Muon gathers each 2-D sharded matrix whole
 
 
 @pytest.mark.slow

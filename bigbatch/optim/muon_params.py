@@ -84,6 +84,10 @@ def split_muon_groups(params: Iterable, adamw: Sequence[str]) -> list[dict]:
         else:
             names, tensors = group.get("param_names"), entries
         base = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        if not tensors:  # ZeroRedundancyOptimizer hands a rank empty shares of some groups;
+            # its groups and the local optimizer's must stay one to one.
+            out.append({**base, "params": [], "use_muon": bool(base.get("use_muon", False))})
+            continue
         if "use_muon" in base:
             parts = [(bool(base.pop("use_muon")), list(range(len(tensors))))]
         else:
@@ -120,7 +124,9 @@ def adamw_step(group: dict, params: list[torch.Tensor],
     plain = []
     kinds: dict = {}
     for i, (w, g, (_, m, v)) in enumerate(zip(ws, gs, states, strict=True)):
-        ok = (fused and not isinstance(lr, torch.Tensor) and w.device.type in ("cpu", "cuda")
+        # meta: `bigbatch plan`'s step, which only needs the state's shapes.
+        ok = (fused and not isinstance(lr, torch.Tensor)
+              and w.device.type in ("cpu", "cuda", "meta")
               and w.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16)
               and fusable(w, g, m, v))
         (kinds.setdefault((w.device, w.dtype), []) if ok else plain).append(i)

@@ -7,11 +7,13 @@
 
 Two routes are watched. Calls through `torch.distributed` (FSDP2's all-gathers and
 reduce-scatters, DDP's comm hooks, ZeRO's broadcasts, the optimizers' norm all-reduces,
-the pipeline's sends) are wrapped for the duration; DTensor's functional collectives
-(tensor parallelism) are seen by a dispatch mode. The size of a collective is the size of
-its buffer: an all-gather's output, a reduce-scatter's input, an all-reduce's or a
-broadcast's tensor, a send's tensor (receives are the peer's sends and not counted).
-Groups of one rank move nothing and are left out.
+Muon's all-to-alls of whole matrices, the pipeline's sends) are wrapped for the duration;
+DTensor's functional collectives (tensor parallelism, Muon's gathers of 2-D sharded
+matrices) are seen by a dispatch mode. The size of a collective is the size of its buffer:
+an all-gather's output, a reduce-scatter's input, an all-reduce's or a broadcast's tensor,
+an all-to-all's input (what this rank sends, its own share included), a send's tensor
+(receives are the peer's sends and not counted). Groups of one rank move nothing and are
+left out.
 
 `bigbatch plan` counts its meta-device steps with this; the tests count real gloo runs
 with it, so the two speak the same units.
@@ -170,7 +172,8 @@ def _wrapped(watch: _Watch) -> dict[str, Any]:
     # `all_gather_single` / `reduce_scatter_single` are new in torch 2.13 (FSDP2 calls them).
     original = {name: getattr(dist, name, None) for name in (
         "all_reduce", "broadcast", "all_gather_single", "reduce_scatter_single",
-        "all_gather_into_tensor", "reduce_scatter_tensor", "isend", "send")}
+        "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "isend",
+        "send")}
 
     def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         watch.add("all_reduce", group, _nbytes(tensor))
@@ -203,6 +206,12 @@ def _wrapped(watch: _Watch) -> dict[str, Any]:
         return original["reduce_scatter_tensor"](output, input, op=op, group=group,
                                                  async_op=async_op)
 
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
+                          group=None, async_op=False):
+        watch.add("all_to_all", group, _nbytes(input))
+        return original["all_to_all_single"](output, input, output_split_sizes,
+                                             input_split_sizes, group=group, async_op=async_op)
+
     def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
         watch.add("point_to_point", group, _nbytes(tensor))
         return original["isend"](tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
@@ -215,7 +224,8 @@ def _wrapped(watch: _Watch) -> dict[str, Any]:
                "all_gather_single": all_gather_single,
                "all_gather_into_tensor": all_gather_into_tensor,
                "reduce_scatter_single": reduce_scatter_single,
-               "reduce_scatter_tensor": reduce_scatter_tensor, "isend": isend, "send": send}
+               "reduce_scatter_tensor": reduce_scatter_tensor,
+               "all_to_all_single": all_to_all_single, "isend": isend, "send": send}
     return {name: fn for name, fn in wrapped.items() if original[name] is not None}
 
 

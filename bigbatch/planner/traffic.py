@@ -6,7 +6,8 @@ and `foreach_all_gather`, the pipeline schedules' order of forwards and backward
 checked against the same count taken on real gloo runs (tests/test_plan_dist.py).
 
 Everything else a step sends (tensor parallelism, the optimizers' norm all-reduces,
-ZeRO-1's broadcasts, clipping) is counted as the meta-device step issues it.
+Muon's all-to-alls and gathers of whole matrices, ZeRO-1's broadcasts, clipping) is
+counted as the meta-device step issues it.
 """
 
 from __future__ import annotations
