@@ -130,6 +130,8 @@ def test_autoscaled_job_settles_on_the_fastest_size_and_equals_the_changes_by_ha
     assert "autoscale at step" in p.stderr and "samples/s" in p.stderr
     lines = [json.loads(x) for x in (auto / "metrics.jsonl").read_text().splitlines()]
     assert [x["new"] for x in lines if x["kind"] == "autoscale"] == [d["new"] for d in decisions]
+    # recorded among the run's files, so --overwrite removes it with the rest
+    assert "autoscale.json" in json.loads((auto / ".bigbatch-files.json").read_text())["files"]
     print("measured samples/s by workers:", measured, "->", fastest)
 
     # The same size changes by hand: each segment stopped at the same step (the segment

@@ -174,7 +174,15 @@ def _last_step(metrics: Path) -> int:
 
 
 def _write_history(out: Path, history: list[dict[str, Any]]) -> None:
-    (out / AUTOSCALE_FILE).write_text(json.dumps({"decisions": history}, indent=1) + "\n")
+    """`OUT/autoscale.json`, recorded among the run's files first (so `--overwrite`
+    removes it with the rest), written atomically."""
+    from bigbatch.train.checkpoint import write_text_atomic
+    from bigbatch.train.outdir import RunFiles
+
+    files = RunFiles.read(out)
+    if files is not None:
+        files.add(out / AUTOSCALE_FILE)
+    write_text_atomic(out / AUTOSCALE_FILE, json.dumps({"decisions": history}, indent=1) + "\n")
 
 
 def _summary(out: Path, history: list[dict[str, Any]]) -> None:
