@@ -67,12 +67,12 @@ def strategy(opt: str = "sgd", global_batch: int = 256, micro: int | None = None
         d["batch"]["micro_batch_size"] = micro
     if k is not None:
         d["gradient_merge"] = {"k_steps": k}
-    if opt in ("lars", "lamb", "adamw"):
+    if opt in ("lars", "lamb", "adamw", "muon"):
         d["optimizer"]["weight_decay"] = 0.0 if opt != "adamw" else 1e-2
         if opt != "lars":
             d["optimizer"]["type"] = "adamw"
             d["batch"]["base_lr"] = 1e-3
-        if opt in ("lars", "lamb"):
+        if opt in ("lars", "lamb", "muon"):
             d[opt] = {"exclude_from_weight_decay": ["bias"]}
     for name, body in sections.items():
         d.setdefault(name, {}).update(body)
@@ -349,10 +349,10 @@ def test_fp16_fleet_loss_scaling_counters():
     assert [r[1] for r in results] == [True, True, False, False, False]
 
 
-@pytest.mark.parametrize("opt", ["sgd", "adamw", "lamb", "lars"])
+@pytest.mark.parametrize("opt", ["sgd", "adamw", "lamb", "lars", "muon"])
 def test_fp16_overflow_skipped_on_the_device(opt):
     """The CUDA mode: the optimizer skips the overflow step itself (fused SGD/AdamW read
-    GradScaler's flag; LAMB/LARS too), the schedule advances, the step is still counted
+    GradScaler's flag; LAMB/LARS/Muon too), the schedule advances, the step is still counted
     as skipped, and the loss scale follows the same Fleet counters."""
     run, lrs, snaps, results = fp16_run({"init_loss_scaling": 1024.0}, inject={1},
                                         device_skip=True, opt=opt)

@@ -233,3 +233,59 @@ def test_empty_group_shares_stay_and_a_meta_step_runs():
     on_meta = Muon(meta, lr=0.01)
     on_meta.step()
     assert all(v.device.type == "meta" for s in on_meta.state.values() for v in s.values())
+
+
+def _flag_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 10))
+
+
+def _no_host_read(*_):
+    pytest.fail("the overflow flag was read to the host")
+
+
+def _flag_step(kernel: str, flags: list) -> tuple[dict, dict]:
+    """Steps of a small net, the optimizer told ``flags[i]`` (None: no flag) at step i,
+    with every read of a tensor to a Python number failing the test while a flag is set."""
+    net = _flag_net()
+    opt = Muon(muon_param_groups(net, 0.1, adamw=("3.",)), lr=0.05, kernel=kernel)
+    x = torch.randint(0, 10, (4, 3))
+    for flag in flags:
+        opt.zero_grad()
+        net(x).square().mean().backward()
+        if flag is None:
+            opt.step()
+            continue
+        if flag:  # what an overflow leaves in the gradients
+            for p in net.parameters():
+                p.grad.fill_(float("inf"))
+        opt.found_inf = torch.tensor(flag)
+        with pytest.MonkeyPatch.context() as mp:
+            for name in ("__bool__", "__float__", "item", "tolist"):
+                mp.setattr(torch.Tensor, name, _no_host_read)
+            opt.step()
+        del opt.found_inf
+    state = {f"{i}.{k}": v.clone() for i, s in enumerate(opt.state.values()) for k, v in s.items()}
+    return {n: p.detach().clone() for n, p in net.named_parameters()}, state
+
+
+@pytest.mark.parametrize("kernel", ["reference", "batched"])
+def test_overflow_flag_skips_without_a_host_read(kernel):
+    """GradScaler's ``found_inf``: 1 leaves weights, momentum, AdamW moments and step
+    counts as they were (the step is chosen away on the device, its inf gradients
+    included); 0 gives the bits of a step without a flag; never read to the host.
+    `takes_overflow_flag` lets the engine hand Muon the flag instead of reading it."""
+    from bigbatch.engine.step import takes_overflow_flag
+
+    plain = _flag_step(kernel, [None, None])
+    zero = _flag_step(kernel, [None, 0.0])
+    skipped = _flag_step(kernel, [None, 1.0, None])
+    for a, b, c in zip(plain, zero, skipped, strict=True):
+        assert a.keys() == b.keys() == c.keys()
+        for k in a:
+            assert torch.equal(a[k], c[k]), k
+            if kernel == "reference":  # AdamW's plain rule: bias corrections on the device
+                torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7, msg=k)
+            else:  # torch's fused AdamW reads the flag itself; Muon's part is the same ops
+                assert torch.equal(a[k], b[k]), k
+    assert takes_overflow_flag(Muon([torch.zeros(2, 2, requires_grad=True)]))

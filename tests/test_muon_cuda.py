@@ -55,3 +55,34 @@ def test_bf16_newton_schulz_lands_near_the_float32_reference():
     for (name, a), b in zip(fast.named_parameters(), ref.parameters(), strict=True):
         moved = (b - start[name]).norm()
         assert (a - b).norm() <= 0.05 * moved + 1e-6, name
+
+
+@pytest.mark.parametrize("flag", [0.0, 1.0])
+def test_overflow_flag_skips_on_the_device(flag):
+    """GradScaler's ``found_inf`` as a CUDA tensor: the step makes no host sync, a set
+    flag (gradients inf, as after an overflow) leaves weights and state as they were, a
+    zero flag gives the step without one."""
+    nets = [model(), model()]
+    opts = [Muon(muon_param_groups(m, 0.1, adamw=("6.",)), lr=1e-2) for m in nets]
+    x = torch.randint(0, 64, (8, 4), device="cuda")
+    for m, opt in zip(nets, opts, strict=True):
+        _step(m, opt, x)  # state created
+        opt.zero_grad()
+        m(x).square().mean().backward()
+    before = copy.deepcopy((nets[0].state_dict(), opts[0].state_dict()))
+    if flag:
+        for p in nets[0].parameters():
+            p.grad.fill_(float("inf"))
+    opts[0].found_inf = torch.tensor(flag, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opts[0].step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    del opts[0].found_inf
+    opts[1].step()
+    expected = before if flag else (nets[1].state_dict(), opts[1].state_dict())
+    torch.testing.assert_close(nets[0].state_dict(), expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(opts[0].state_dict()["state"], expected[1]["state"],
+                               rtol=0, atol=0)

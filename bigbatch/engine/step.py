@@ -66,11 +66,13 @@ def overflow(found_inf: torch.Tensor | None, on_device: bool
 
 def takes_overflow_flag(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer.step()` honours ``optimizer.found_inf`` (the protocol torch's
-    GradScaler uses) by skipping the update on the device: torch's fused kernels and
-    bigbatch's LARS/LAMB (whose Triton kernel skips on the device; the others read it)."""
+    GradScaler uses) by skipping the update on the device: torch's fused kernels,
+    bigbatch's LARS/LAMB (whose Triton kernel skips on the device; the others read it)
+    and Muon (which chooses each new value by the flag on the device)."""
     from bigbatch.optim._base import LayerwiseOptimizer
+    from bigbatch.optim.muon import Muon
 
-    if isinstance(optimizer, LayerwiseOptimizer):
+    if isinstance(optimizer, (LayerwiseOptimizer, Muon)):
         return True
     fused = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD))
     if not fused or not optimizer.defaults.get("fused"):

@@ -129,7 +129,9 @@ def muon(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     are orthogonalised together: one exchange per step for sharded ones.
     ``kernel``: ``"reference"`` or ``"batched"``; ``ns_dtype``: the Newton-Schulz dtype of
     the batched kernel on CUDA. ``found_inf``: a 0-d overflow flag (GradScaler's); nonzero
-    leaves everything unchanged (read to the host).
+    leaves everything unchanged. It is never read to the host: the step is computed and
+    each new buffer and weight is chosen by the flag on the device (`torch.where`), so a
+    zero flag gives the same bits as no flag.
     """
     if kernel not in ("reference", "batched"):
         raise ValueError(f"muon: kernel={kernel!r} should be 'reference' or 'batched'")
@@ -142,8 +144,7 @@ def muon(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
             or len(bufs) != len(params):
         raise ValueError(f"muon: groups cover {sum(n for _, n in groups)} tensors; got "
                          f"{len(params)} parameters, {len(grads)} gradients, {len(bufs)} buffers")
-    if found_inf is not None and bool(found_inf):
-        return
+    skip = _flag(found_inf, params)
     opts_of = [opts for opts, n in groups for _ in range(n)]
     directions = []
     for w, g, b, opts in zip(params, grads, bufs, opts_of, strict=True):
@@ -151,7 +152,10 @@ def muon(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
             raise ValueError(f"muon: takes matrices (ndim >= 2); got a tensor of shape "
                              f"{tuple(w.shape)}: give it to AdamW (use_muon=False)")
         g_ = local(g)
-        b.mul_(opts["momentum"]).add_(g_)
+        if skip is None:
+            b.mul_(opts["momentum"]).add_(g_)
+        else:
+            b.copy_(torch.where(skip, b, b * opts["momentum"] + g_))
         directions.append(g_.add(b, alpha=opts["momentum"]) if opts["nesterov"] else b)
     # Groups differing only in lr / weight decay share one orthogonalisation.
     by_ns: dict = {}
@@ -169,12 +173,23 @@ def muon(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
         cols = w.numel() // rows if rows else 0
         step = opts["lr"] * update_scale(opts["scale_rule"], rows, cols, opts["update_rms"])
         w_ = local(w)
+        new = w_ if skip is None else w_.clone()
         if opts["weight_decay"]:
-            w_.mul_(1 - opts["lr"] * opts["weight_decay"])
+            new.mul_(1 - opts["lr"] * opts["weight_decay"])
         if isinstance(step, torch.Tensor):
-            w_.sub_(o * step)
+            new.sub_(o * step)
         else:
-            w_.add_(o, alpha=-step)
+            new.add_(o, alpha=-step)
+        if skip is not None:
+            w_.copy_(torch.where(skip, w_, new))
+
+
+def _flag(found_inf: torch.Tensor | None, params: Sequence[torch.Tensor]
+          ) -> torch.Tensor | None:
+    """The overflow flag as a 0-d bool on the parameters' device (no host read), or None."""
+    if found_inf is None or not params:
+        return None
+    return found_inf.to(local(params[0]).device).reshape(()).bool()
 
 
 class Muon(torch.optim.Optimizer):
@@ -257,9 +272,8 @@ class Muon(torch.optim.Optimizer):
     def _step(self) -> None:
         """The update, always eager: under ``torch.compile`` Dynamo breaks the graph here,
         so a compiled step equals the eager one (as LARS's and LAMB's)."""
-        found_inf = getattr(self, "found_inf", None)  # GradScaler's protocol
-        if found_inf is not None and bool(found_inf):
-            return
+        # GradScaler's protocol: a set flag skips the step on the device, never read here.
+        found_inf = getattr(self, "found_inf", None)
         matrices, runs = [], []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
@@ -273,11 +287,11 @@ class Muon(torch.optim.Optimizer):
                 runs.append((group, len(params)))
             else:
                 adamw_step(group, params, [self._adam_state(p) for p in params],
-                           fused=self.kernel != "reference")
+                           fused=self.kernel != "reference", found_inf=found_inf)
         if matrices:
             kernel = self.kernel
             if kernel == "auto":  # one product per shape pays on a GPU, not on CPU threads
                 kernel = "batched" if local(matrices[0]).device.type == "cuda" else "reference"
             muon(matrices, [p.grad for p in matrices], [self._buffer(p) for p in matrices],
-                 groups=runs, kernel=kernel, ns_dtype=self.ns_dtype)
+                 groups=runs, kernel=kernel, ns_dtype=self.ns_dtype, found_inf=found_inf)
 

@@ -110,14 +110,17 @@ def split_muon_groups(params: Iterable, adamw: Sequence[str]) -> list[dict]:
 
 def adamw_step(group: dict, params: list[torch.Tensor],
                states: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-               fused: bool = True) -> None:
+               fused: bool = True, found_inf: torch.Tensor | None = None) -> None:
     """AdamW (Loshchilov & Hutter 2019; torch's ``AdamW`` rule) on the local tensors::
 
         m = beta1 m + (1 - beta1) g;   v = beta2 v + (1 - beta2) g^2
         w = w (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)
 
     ``fused``: torch's fused kernel where the layouts allow (float CPU / CUDA tensors
-    of one kind at a time); elementwise, so sharded parameters step their shards."""
+    of one kind at a time); elementwise, so sharded parameters step their shards.
+    ``found_inf``: a 0-d overflow flag (GradScaler's): nonzero changes nothing, the step
+    count included; read on the device only (the fused kernel's own argument, else a
+    `torch.where` choice; there the bias corrections are taken on the device too)."""
     lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
     beta1, beta2 = group["betas"]
     ws, gs = [local(w) for w in params], [local(w.grad) for w in params]
@@ -132,11 +135,19 @@ def adamw_step(group: dict, params: list[torch.Tensor],
         (kinds.setdefault((w.device, w.dtype), []) if ok else plain).append(i)
     for idx in kinds.values():
         steps = [states[i][0] for i in idx]
+        flag = None if found_inf is None else found_inf.to(steps[0].device, torch.float32)
         torch._foreach_add_(steps, 1)
         torch._fused_adamw_([ws[i] for i in idx], [gs[i] for i in idx],
                             [states[i][1] for i in idx], [states[i][2] for i in idx], [],
                             steps, lr=float(lr), beta1=beta1, beta2=beta2,
-                            weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
+                            weight_decay=wd, eps=eps, amsgrad=False, maximize=False,
+                            found_inf=flag)
+        if flag is not None:  # as torch's AdamW: a skipped step does not count
+            torch._foreach_sub_(steps, [flag] * len(steps))
+    if found_inf is not None:
+        for i in plain:
+            _adamw_flagged(ws[i], gs[i], states[i], lr, wd, eps, beta1, beta2, found_inf)
+        return
     for i in plain:
         step, m, v = states[i]
         step += 1
@@ -148,3 +159,21 @@ def adamw_step(group: dict, params: list[torch.Tensor],
         denom = (v.sqrt() / (1 - beta2 ** t) ** 0.5).add_(eps)
         w.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t)) if not isinstance(lr, torch.Tensor) \
             else w.sub_(lr / (1 - beta1 ** t) * m / denom)
+
+
+def _adamw_flagged(w: torch.Tensor, g: torch.Tensor,
+                   state: tuple[torch.Tensor, torch.Tensor, torch.Tensor], lr, wd: float,
+                   eps: float, beta1: float, beta2: float, found_inf: torch.Tensor) -> None:
+    """`adamw_step`'s per-tensor rule under an overflow flag, with no host read: the new
+    values are computed (the step count and bias corrections as device tensors) and
+    kept where the flag is zero."""
+    step, m, v = state
+    skip = found_inf.to(w.device).reshape(()).bool()
+    step.add_((~skip).to(step.dtype))
+    t = step.to(torch.float64 if w.dtype == torch.float64 else torch.float32)
+    new_m = m.lerp(g, 1 - beta1)
+    new_v = (v * beta2).addcmul_(g, g, value=1 - beta2)
+    denom = (new_v.sqrt() / (1 - beta2 ** t).sqrt()).add_(eps)
+    new_w = w * (1 - lr * wd) - lr / (1 - beta1 ** t) * new_m / denom
+    for old, new in ((m, new_m), (v, new_v), (w, new_w)):
+        old.copy_(torch.where(skip, old, new))
