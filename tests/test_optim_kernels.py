@@ -121,7 +121,8 @@ def run(cls, kw, kernel, steps=STEPS, named=None, opt=None):
 OPTION_CONFIGS = [
     (LARS, dict(lr=0.5, trust_coefficient=0.05, weight_decay=1e-2)),
     (LARS, dict(lr=0.5, trust_coefficient=0.05, weight_decay=1e-2, nesterov=True)),
-    (LARS, dict(lr=0.5, trust_coefficient=0.05, weight_decay=0.0, eps=1e-3)),
+    (LARS, dict(lr=0.5, trust_coefficient=0.05, weight_decay=0.0, eps=1e-3,
+                always_adapt=True)),  # weight decay 0 alone: no trust ratio
     (LARS, dict(lr=0.5, trust_coefficient=0.05, momentum=0.0)),
     (LARS, dict(lr=0.2, trust_coefficient=1.0, trust_clip=True, always_adapt=True)),
     (LARS, dict(lr=0.5, trust_coefficient=0.01, trust_clip=True, nesterov=True)),

@@ -22,7 +22,9 @@ CASES = {
 }
 OPTIMIZERS = {
     "LARS": (LARS, dict(lr=0.1, momentum=0.9, weight_decay=1e-4)),
-    "LARS nesterov": (LARS, dict(lr=0.1, momentum=0.9, weight_decay=0.0, nesterov=True)),
+    # always_adapt: weight decay 0 alone would turn the trust ratio off (the group rule).
+    "LARS nesterov": (LARS, dict(lr=0.1, momentum=0.9, weight_decay=0.0, nesterov=True,
+                                 always_adapt=True)),
     "LAMB": (LAMB, dict(lr=0.01, weight_decay=0.01)),
 }
 

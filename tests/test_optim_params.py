@@ -66,7 +66,7 @@ def test_exclude_splits_groups_and_orders_names(cls):
     opt = cls(Net().named_parameters(), lr=0.1, weight_decay=0.3, exclude=("bias", "norm"))
     assert opt.param_names() == ["fc.weight", "head.weight", "fc.bias", "norm.weight", "norm.bias"]
     kept, dropped = opt.param_groups
-    assert kept["weight_decay"] == 0.3 and kept["layer_adaptation"] is True
+    assert kept["weight_decay"] == 0.3 and "layer_adaptation" not in kept and opt._adapts(kept)
     assert dropped["weight_decay"] == 0.0 and dropped["layer_adaptation"] is False
 
 
@@ -79,7 +79,9 @@ def test_group_overrides_lr_and_weight_decay_lars():
     # Same w and g in two groups; lr and weight_decay differ per group.
     a, b = nn.Parameter(vec(3.0, 4.0)), nn.Parameter(vec(3.0, 4.0))
     opt = LARS(
-        [{"params": [a]}, {"params": [b], "lr": 0.2, "weight_decay": 0.0}],
+        # weight_decay 0 alone would turn b's trust ratio off (the group rule).
+        [{"params": [a]}, {"params": [b], "lr": 0.2, "weight_decay": 0.0,
+                           "layer_adaptation": True}],
         lr=0.1,
         momentum=0.9,
         weight_decay=0.1,
@@ -96,7 +98,8 @@ def test_group_overrides_lr_and_weight_decay_lars():
 def test_group_overrides_lr_and_weight_decay_lamb():
     a, b = nn.Parameter(vec(3.0, 4.0)), nn.Parameter(vec(3.0, 4.0))
     opt = LAMB(
-        [{"params": [a], "weight_decay": 0.0}, {"params": [b], "lr": 0.02}],
+        [{"params": [a], "weight_decay": 0.0, "layer_adaptation": True},
+         {"params": [b], "lr": 0.02}],
         lr=0.01,
         betas=(0.5, 0.75),
         eps=0.1,

@@ -12,6 +12,7 @@ import torch
 from ._norms import local
 from ._params import split_by_exclusion
 from .layouts import align_group
+from .warm_start import adopt
 
 # Dtypes torch's fused CPU kernels accept; the per-tensor kernel needs them.
 _FUSED_DTYPES = (torch.float32, torch.float64)
@@ -65,7 +66,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if isinstance(exclude, str):
             exclude = (exclude,)
         groups = split_by_exclusion(self._name, params, tuple(exclude))
-        defaults = {**defaults, "layer_adaptation": True}
+        # No "layer_adaptation" default: a group that does not say takes `_adapts`'s rule.
         super().__init__(groups, defaults)
         self.fast = fast
         self.kernel = "reference" if fast is False else kernel
@@ -74,10 +75,24 @@ class LayerwiseOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         # The Triton kernel's device tables, kept between steps (see ``_triton_plan``).
         self._workspace: dict = {}
 
+    # Subclasses: their state's keys, and how another optimizer's state converts
+    # (`bigbatch.optim.warm_start`): (function, what it accepts, in words).
+    _state_keys: tuple[str, ...] = ()
+    _warm_start: tuple = ()
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's, then every 0-d state tensor (LAMB's step, LARS's local_lr) moved to its
         parameter's device: torch keeps a loaded ``step`` on the CPU, and the kernels that
-        never read to the host (multi-tensor, Triton) want it beside the parameter."""
+        never read to the host (multi-tensor, Triton) want it beside the parameter.
+
+        Another optimizer's state dict (LAMB from AdamW, LARS from momentum SGD) is
+        converted, keeping this optimizer's hyperparameters, or refused in one line
+        (`bigbatch.optim.warm_start`)."""
+        if self._warm_start:
+            convert, accepted = self._warm_start
+            params = [p for g in self.param_groups for p in g["params"]]
+            state_dict = adopt(self._name, super().state_dict(), params, state_dict,
+                               self._state_keys, convert, accepted)
         super().load_state_dict(state_dict)
         for group in self.param_groups:
             for p in group["params"]:
@@ -140,7 +155,15 @@ class LayerwiseOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     @staticmethod
     def _adapts(group: dict) -> bool:
-        return bool(group["layer_adaptation"] or group["always_adapt"])
+        """Whether ``group``'s tensors take the trust ratio: the group's own
+        ``layer_adaptation`` (True/False) when it has one, else only when its
+        ``weight_decay`` is nonzero (timm's rule: groups built elsewhere, by a trainer or
+        ``weight_decay=0``, keep biases and norms on a plain step); ``always_adapt``
+        overrides both."""
+        if group["always_adapt"]:
+            return True
+        said = group.get("layer_adaptation")
+        return bool(said) if said is not None else group["weight_decay"] != 0
 
     def trust_ratios(self) -> torch.Tensor | None:
         """Per-tensor trust ratios of the last step, in parameter order.

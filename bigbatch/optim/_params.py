@@ -55,7 +55,8 @@ def param_groups(model_or_params, weight_decay: float,
     A parameter is excluded when its name contains one of the ``exclude``
     substrings (Fleet's ``exclude_from_weight_decay``, e.g. ``("bn", "bias")``), or
     ends with one when ``match="suffix"`` (Fleet's lamb); with ``exclude=None`` the default rule applies: every tensor with
-    ``ndim <= 1`` (biases and normalisation weights) is excluded.
+    ``ndim <= 1`` (biases and normalisation weights) is excluded. A module's own
+    ``no_weight_decay()`` names (timm's ViT: ``pos_embed``, ``cls_token``) are excluded too.
 
     Excluded parameters get ``weight_decay=0`` and ``layer_adaptation=False``
     (no trust ratio in LARS / LAMB, so they take a plain momentum or Adam step,
@@ -67,14 +68,18 @@ def param_groups(model_or_params, weight_decay: float,
         raise ValueError(f"param_groups: match={match!r} should be 'substring' or 'suffix'")
     named = list(model_or_params.named_parameters()) if isinstance(
         model_or_params, torch.nn.Module) else list(model_or_params)
+    # timm's convention: a model names the tensors it keeps from weight decay (ViT's
+    # pos_embed, cls_token) in no_weight_decay(); honoured under either rule.
+    own = getattr(model_or_params, "no_weight_decay", None)
+    keep_out = set(own()) if callable(own) else set()
     if named and not _is_named(named):
         raise ValueError("param_groups: expected a module or (name, parameter) pairs")
     decay, no_decay = [], []
     for name, p in named:
         if not p.requires_grad:
             continue
-        excluded = (default_no_decay(name, p) if exclude is None
-                    else _matches(name, exclude, match))
+        excluded = name in keep_out or (default_no_decay(name, p) if exclude is None
+                                        else _matches(name, exclude, match))
         (no_decay if excluded else decay).append((name, p))
     groups = []
     if decay:

@@ -53,6 +53,7 @@ from ._norms import (
 from ._params import check_range
 from ._steps import adam_direction, lamb_trust_ratio
 from .clip import clip_grads_
+from .warm_start import from_adam
 
 __all__ = ["LAMB", "lamb"]
 
@@ -140,6 +141,8 @@ class LAMB(LayerwiseOptimizer):
     """
 
     _name = "LAMB"
+    _state_keys = ("step", "exp_avg", "exp_avg_sq")
+    _warm_start = (from_adam, "Adam-family moments (exp_avg, exp_avg_sq: Adam, AdamW, timm's Lamb)")
 
     def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,

@@ -42,6 +42,7 @@ from ._blocks import blocks, host_norms, whole_squares
 from ._norms import any_dtensor, by_device_and_dtype, is_dtensor, local, stack, whole_norms
 from ._params import check_range
 from ._steps import lars_local_lr, lars_momentum_coefficients, lars_reference_update
+from .warm_start import from_sgd
 
 __all__ = ["LARS", "lars"]
 
@@ -129,6 +130,8 @@ class LARS(LayerwiseOptimizer):
     """
 
     _name = "LARS"
+    _state_keys = ("momentum_buffer", "local_lr")
+    _warm_start = (from_sgd, "a momentum buffer (momentum_buffer: SGD with momentum, timm's Lars)")
 
     def __init__(self, params: Iterable, lr: float | torch.Tensor = 1.0, momentum: float = 0.9,
                  weight_decay: float = 5e-4, trust_coefficient: float = 1e-3,

@@ -76,6 +76,10 @@ class ScheduleLR(LRScheduler):
         self._taken = 0
         super().step()
 
+    def remove(self) -> None:
+        """Stop counting the optimizer's steps (the scheduler is done with it)."""
+        self._hook.remove()
+
     def get_lr(self) -> list[float]:
         factor = self._factor(self.last_epoch)
         return [base * factor for base in self.base_lrs]

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from bigbatch.errors import NonFiniteLossError
+from bigbatch.optim.lr_scheduler import ScheduleLR
 from bigbatch.train.lr_suggest import DIVERGE, SAFETY, diverged, suggest
 
 __all__ = ["LRFind", "lr_find"]
@@ -158,25 +159,28 @@ def _plain(model: torch.nn.Module, loss_fn: Callable[..., Any], data: Iterable[A
                      base_lr=strategy.batch.base_lr)
     saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())) \
         if restore else None
-    first = float(optimizer.param_groups[0]["lr"]) or 1.0
-    ratios = [float(g["lr"]) / first for g in optimizer.param_groups]
+    first = float(optimizer.param_groups[0]["lr"])
+    if not first > 0:
+        raise ValueError(f"lr_find: the optimizer's first group has lr={first}; build it at "
+                         "any positive lr (the sweep keeps each group's ratio to it)")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-
-    def set_lr(lr: float) -> None:
-        for group, ratio in zip(optimizer.param_groups, ratios, strict=True):
-            group["lr"] = lr * ratio
+    lo, hi, n = sweep["lr_min"], sweep["lr_max"], sweep["steps"]
+    # The sweep as a schedule of optimizer steps: every group at its ratio to the first.
+    sweeping = ScheduleLR(optimizer, lambda i: lo / first * (hi / lo) ** (i / (n - 1)))
 
     def one_step(batch: Any) -> float:
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(model, batch)
         loss.backward()
         optimizer.step()
+        sweeping.step()
         loss = loss.detach()
         return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
 
     try:
-        _sweep(out, set_lr, one_step, data, device, **sweep)
+        _sweep(out, lambda lr: None, one_step, data, device, **sweep)
     finally:
+        sweeping.remove()
         optimizer.zero_grad(set_to_none=True)
         if saved is not None:
             model.load_state_dict(saved[0])
