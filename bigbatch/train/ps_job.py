@@ -10,10 +10,10 @@ it owns. Server 0 owns the outputs: between steps it logs, evaluates the whole m
 position and RNG; `--resume` continues from them. In sync mode a resumed run equals an
 uninterrupted one; in async mode which gradients land when is timing, so is its resume.
 
-In geo mode (Fleet's GEO-SGD) the workers run the engine: each steps its own copy of the
-model with the strategy's optimizer and schedule (a step is one global batch, every worker
-one local step, as in local SGD), and every `geo_k_steps` steps exchanges deltas with the
-servers, which only add them. A checkpoint holds each worker's engine state and the
+In geo mode (Fleet's GEO-SGD; the worker's loop is `bigbatch.train.ps_geo`) the workers
+run the engine: each steps its own copy of the model with the strategy's optimizer and
+schedule (a step is one global batch, every worker one local step, as in local SGD), and
+every `geo_k_steps` steps exchanges deltas with the servers, which only add them. A checkpoint holds each worker's engine state and the
 progress it kept, so a resumed geo run equals an uninterrupted one.
 """
 
@@ -47,6 +47,7 @@ from bigbatch.train.launch_table import gather_launch
 from bigbatch.train.outdir import prepare_out
 from bigbatch.train.plan import build_model, fit_warmup, load_task, plan_run
 from bigbatch.train.ps_driver import Driver
+from bigbatch.train.ps_geo import geo_work
 from bigbatch.train.signals import Stopped
 
 __all__ = ["check_resume", "train_parameter_server"]
@@ -198,7 +199,7 @@ class _Job:
 
     # ------------------------------------------------------------------ worker
 
-    def _alone(self) -> Any:
+    def alone(self) -> Any:
         """The strategy without [parameter_server]: the engine of one process."""
         return dataclasses.replace(self.strategy,
                                    parameter_server=ParameterServerConfig(enable=False))
@@ -212,7 +213,7 @@ class _Job:
         else:
             data.seed_everything(self.config.seed * 1000 + w + 1)
         if self.cfg.mode == "geo":
-            return self._work_geo(w, sampler, state, slow_worker)
+            return geo_work(self, w, sampler, state, slow_worker)
         client = ps.Worker(w, self.params, self.owner, self.servers, self.timeout)
         barrier(self.world)  # the servers serve
         client.pull()
@@ -246,55 +247,10 @@ class _Job:
                     break
             if not stop:
                 sampler.next_epoch()
-        self._stopped_elsewhere()
+        self.stopped_elsewhere()
         return {"worker": w, "pushes": steps}
 
-    def _work_geo(self, w, sampler, state, slow_worker) -> dict[str, Any]:
-        """k local optimizer steps on this worker's batches, then the delta exchanged."""
-        # The global plan on one process, as the sync server runs it: the LR and schedule
-        # of the global batch, each worker's gradient the mean over its own items.
-        run = prepare(self.model, self._alone(), total_steps=self.total_steps,
-                      steps_per_epoch=self.spe, world=World(), plan=self.plan)
-        if state is not None:
-            run.load_state_dict(state["engine"])
-        client = ps.Worker(w, self.params, self.owner, self.servers, self.timeout)
-        barrier(self.world)  # the servers serve
-        client.pull()
-        if state is not None:
-            client.keep(state["kept"])
-        k = self.cfg.geo_k_steps
-        loss_sum, count = torch.zeros((), dtype=torch.float64), 0.0
-        rounds, stop = 0, False
-        while not stop:
-            for micro_batches in sampler:
-                for idx in micro_batches:
-                    batch = data.fetch(self.task.train_set, idx, torch.device("cpu"))
-                    with run.micro_step() as ms:
-                        loss, n = self.task.loss(run.model(batch[0]), batch)
-                        ms.backward(loss, count=n)
-                    loss_sum += loss.detach().double()
-                    count += float(n)
-                if run.step % k and not run.done:
-                    continue  # the round goes on
-                extra = {"sampler": sampler.state_dict(), "rng": rng_state(),
-                         "signal": self.stop.requested if self.stop is not None else None,
-                         "geo_engine": run.state_dict()}
-                if w == 0:
-                    extra["buffers"] = {n: v.detach().clone()
-                                        for n, v in self.model.named_buffers()}
-                stop, _ = client.push_delta(self.workers, count, float(loss_sum), extra)
-                loss_sum, count = torch.zeros((), dtype=torch.float64), 0.0
-                rounds += 1
-                if slow_worker is not None and slow_worker[0] == w:
-                    time.sleep(slow_worker[1])
-                if stop:
-                    break
-            if not stop:
-                sampler.next_epoch()
-        self._stopped_elsewhere()
-        return {"worker": w, "pushes": rounds, "steps": run.step}
-
-    def _stopped_elsewhere(self) -> None:
+    def stopped_elsewhere(self) -> None:
         """A rank that is not server 0: if it got a signal, it ends with that status too."""
         if self.stop is not None and self.stop.requested is not None:
             self.stopped = Stopped(self.stop.requested)
@@ -311,7 +267,8 @@ class _Job:
             plan = self.strategy.batch_plan(plan.micro_batch_size * plan.k_steps,
                                             plan.micro_batch_size, plan.k_steps, 1)
             total, spe = total * self.workers, spe * self.workers
-        run = prepare(self.model, self._alone(), total_steps=total, steps_per_epoch=spe, world=World(),
+        run = prepare(self.model, self.alone(), total_steps=total, steps_per_epoch=spe,
+                      world=World(),
                       track_stats=True, plan=plan)
         if self.saved is not None:
             run.load_state_dict(self.saved["server_states"][index])
@@ -353,7 +310,7 @@ class _Job:
         ps.serve(server)
         barrier(self.world)  # now the workers may pull
         if index != 0:
-            self._stopped_elsewhere()
+            self.stopped_elsewhere()
             return {"server": index}
         return Driver(self, run, server).loop()
 
