@@ -32,6 +32,10 @@ def test_muon_cells_carry_the_adamw_recipe_over():
     grown = cell_strategy(StudyConfig(task="charlm", epochs=4), ADAMW, "muon@seesaw", 64)
     assert grown.muon.enable and grown.batch.schedule == "seesaw"
     assert grown.batch.start_batch_size == 16
+    found = StudyConfig(task="charlm", epochs=4, lr_find=True, lr_find_above_base=True)
+    assert not cell_strategy(found, ADAMW, "muon", 16).batch.lr_find  # the recipe's batch
+    assert cell_strategy(found, ADAMW, "muon", 64).batch.lr_find
+    assert cell_strategy(StudyConfig(lr_find=True), ADAMW, "muon", 16).batch.lr_find
     over = StudyConfig(task="charlm", epochs=4, overrides={"muon": ["muon.ns_steps=3"]})
     assert cell_strategy(over, ADAMW, "muon", 64).muon.ns_steps == 3
 

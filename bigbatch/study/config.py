@@ -59,6 +59,10 @@ class StudyConfig:
     """Every cell runs the LR range test at its batch before training and trains at the
     peak LR it finds (`[batch] lr_find = true`), instead of the recipe's LR scaled by the
     strategy's rule; the found LR is in each cell's summary.json."""
+    lr_find_above_base: bool = False
+    """With `lr_find`: only cells whose batch is above the recipe's run the range test; at
+    the recipe's batch each strategy keeps its rule's LR (the recipe's own for the
+    baseline: a range test of a few small-batch steps is noisy there)."""
     seed: int = field(default=0, metadata=SEED_RULE)
     """Seed of every cell (same init and data order) when `seeds` is unset."""
     seeds: list[int] | None = field(default=None, metadata=SEED_RULE)

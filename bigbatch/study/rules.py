@@ -22,6 +22,7 @@ class Grid(Protocol):
     nproc: int
     overrides: dict[str, list[str]]
     lr_find: bool
+    lr_find_above_base: bool
 
 
 STRATEGIES = ("sgd", "lars", "lamb", "adascale", "kfac", "muon")
@@ -87,7 +88,8 @@ def cell_strategy(c: Grid, recipe: Any, name: str, batch: int) -> Any:
         opt["momentum"] = recipe.momentum
     else:
         opt.update(beta1=recipe.momentum, epsilon=1e-6)
-    if getattr(c, "lr_find", False):
+    if getattr(c, "lr_find", False) and (batch > recipe.base_batch_size
+                                         or not getattr(c, "lr_find_above_base", False)):
         b["lr_find"] = True
     d: dict[str, Any] = {"batch": b, "optimizer": opt, "gradient_merge": {"avg": True},
                          "adaptive": {"noise_scale": True}}
