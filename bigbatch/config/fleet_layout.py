@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from bigbatch.config.fleet import FleetTranslation, refuse, take
+from bigbatch.config.fleet_record import FleetTranslation, refuse, take
 from bigbatch.errors import ConfigError
 
 __all__ = ["CONFIG_TABLES", "NO_EFFECT", "layout"]
