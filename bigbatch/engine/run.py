@@ -23,6 +23,7 @@ from bigbatch.engine.amp import LossScaler
 from bigbatch.engine.amp_lists import amp_context
 from bigbatch.engine.batch import BatchControl
 from bigbatch.engine.clock import ScheduleClock
+from bigbatch.engine.data_share import check_same_inputs, data_loader, data_sampler
 from bigbatch.engine.grad_info import GradInfo, grad_info
 from bigbatch.engine.merge import MergeWindow
 from bigbatch.engine.micro_step import MicroStep
@@ -139,6 +140,8 @@ class Run:
         # Tensor parallelism may hand gradients back in another layout than the weights.
         self._tp_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad] \
             if self.mesh.degrees.tp_enabled else []
+        # Tensor-parallel ranks must read the same inputs: compared at the first micro-step.
+        self._inputs_unchecked = self.mesh.degrees.tp_enabled and pipeline is None
         self._comm = comm
         self._owns_group = owns_group
         self._step_time = 0.0
@@ -213,11 +216,37 @@ class Run:
     def micro_step(self) -> MicroStep:
         """Context for one micro-step's forward and backward (see the module example)."""
         dtype = self.autocast_dtype
+        check = self._check_loss if self.nan_guard is not None else None
+        if self._inputs_unchecked:
+            check = self._check_first
         return MicroStep(self.window, scaler=self.scaler, loss_parallel=self._loss_parallel,
                          autocast=None if dtype is None else self._amp_args(),
                          local_sgd=self.local_sgd, timing=self.timing, finish=self._finish_step,
-                         skip=self.skip_step, add_time=self._add_step_time,
-                         check=self._check_loss if self.nan_guard is not None else None)
+                         skip=self.skip_step, add_time=self._add_step_time, check=check)
+
+    def _check_first(self, loss: torch.Tensor, is_last: bool) -> bool:
+        """The first micro-step under tensor parallelism: the same inputs on every tensor
+        rank (`bigbatch.engine.data_share`), then `nan_policy` as on every micro-step."""
+        self._inputs_unchecked = False
+        check_same_inputs(loss, self.mesh.tp_mesh.get_group(), self.mesh.tensor_rank)
+        return self._check_loss(loss, is_last) if self.nan_guard is not None else False
+
+    def sampler(self, dataset: Any, *, shuffle: bool = True, seed: int = 0,
+                drop_last: bool = True) -> Any:
+        """A `DistributedSampler` giving this rank its share of `dataset` by the mesh's
+        data rank and degree: tensor-parallel and pipeline ranks of one replica read the
+        same samples (`bigbatch.engine.data_share`). ``set_epoch(epoch)`` reshuffles."""
+        return data_sampler(self.mesh, dataset, shuffle=shuffle, seed=seed,
+                            drop_last=drop_last)
+
+    def loader(self, dataset: Any, *, shuffle: bool = True, seed: int = 0,
+               **kwargs: Any) -> Any:
+        """A `DataLoader` of micro-batches (`plan.micro_batch_size`) over this rank's share
+        of `dataset` (`sampler`), like Accelerate's ``prepare(dataloader)``: reshuffle with
+        ``loader.sampler.set_epoch(epoch)``. A batch changed later by `set_batch` (the
+        adaptive batch) needs a new loader. `kwargs` go to the `DataLoader`."""
+        kwargs.setdefault("batch_size", self.plan.micro_batch_size)
+        return data_loader(self.mesh, dataset, shuffle=shuffle, seed=seed, **kwargs)
 
     def _nan_lazy(self) -> bool:
         return self.nan_check_on_device and not self.grad_hooks and self.local_sgd is None
