@@ -8,6 +8,7 @@ launcher); the stop before a resume is a real SIGTERM to this process.
 
 import json
 import os
+import re
 import shutil
 import signal
 import threading
@@ -82,8 +83,28 @@ def test_allowed_changes_resume_to_the_uninterrupted_weights(argv, runs, tmp_pat
 
 def test_a_longer_run_is_allowed_and_counts_on(runs, tmp_path, capsys):
     out = _copy(runs, tmp_path)
+    capsys.readouterr()
     assert main([*RUN, "--out", str(out), "--resume", "--steps", "40"]) == 0
     assert json.loads((out / "summary.json").read_text())["steps"] == 40
+    # The decay is re-stretched over the new length, and the resume says so in one line
+    # with the LR of the first step after the checkpoint, before and after.
+    printed = capsys.readouterr()
+    lines = [x for x in (printed.out + printed.err).splitlines()
+             if x.startswith("the schedule now decays over 40 steps (was 36): the LR jumps from")]
+    assert len(lines) == 1, printed
+    step = int(re.search(r"resuming .* from step (\d+)", printed.out + printed.err)[1])
+    assert lines[0].endswith(f" at step {step + 1}")
+    before, after = (float(w) for w in lines[0].split("jumps from ")[1].split(" at ")[0]
+                     .split(" to "))
+    assert after > before > 0  # cosine: later in a longer decay is a higher LR
+
+
+def test_the_same_length_prints_no_schedule_line(runs, tmp_path, capsys):
+    out = _copy(runs, tmp_path)
+    capsys.readouterr()
+    assert main([*RUN, "--out", str(out), "--resume"]) == 0
+    printed = capsys.readouterr()
+    assert "the schedule now decays" not in printed.out + printed.err
 
 
 REFUSED = [

@@ -31,17 +31,25 @@ the LR by its gain: the checkpoint's progress would mean something else);
 
 Anything else (the seed, the task and its data, the model, any other strategy key)
 is refused with one line listing the keys that differ, before anything is written.
+
+A new training length keeps the schedule's shape over the new total: the decay is
+re-stretched to end at the new last step (an extended run does not sit at the old
+decay's end LR, which for cosine or poly to 0 would train at LR 0). The LR therefore
+changes at the first step after the checkpoint, and `schedule_change_line` says so once,
+at resume: ``the schedule now decays over 40 steps (was 36): the LR jumps from 0.0024 to
+0.0151 at step 21``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from bigbatch.config.strategy import Strategy
 from bigbatch.errors import ConfigError
 from bigbatch.train.checkpoint import CheckpointError
 
-__all__ = ["ALLOWED", "SWITCHABLE", "check_resume"]
+__all__ = ["ALLOWED", "SWITCHABLE", "check_resume", "schedule_change_line"]
 
 ALLOWED_CONFIG = ("epochs", "steps", "checkpoint_every", "keep_checkpoints", "log_every",
                   "eval_every", "eval_batch_size", "nan_policy", "progress", "tensorboard",
@@ -125,3 +133,32 @@ def check_resume(config: Any, strategy: Strategy, ckpt: dict, name: str, default
                 else f"the recipe's length ({total_steps} steps)")
         raise ConfigError(f"--resume: {what} ends before checkpoint {name}, taken at step "
                           f"{ckpt.get('step', done)}; a resume can only extend training")
+
+
+def _lr(value: float) -> str:
+    return f"{value:.4g}"
+
+
+def schedule_change_line(clock: Any, ckpt: dict) -> str | None:
+    """The one line a resume prints when its training length differs from the
+    checkpoint's run: the decay now spans the new total, and the LR of the first step
+    after the checkpoint moves from the old schedule's value to the new one's. None when
+    the length is the same (or the checkpoint does not record it)."""
+    old = ckpt.get("total_steps")
+    if old is None:  # a checkpoint from before total_steps was saved: its --steps, if given
+        old = (ckpt.get("config") or {}).get("steps")
+    new = int(clock.total_steps)
+    if old is None or int(old) == new:
+        return None
+    old = int(old)
+    step = int(ckpt.get("step", 0)) + 1
+    head = f"the schedule now decays over {new} steps (was {old})"
+    try:
+        before = dataclasses.replace(clock.schedule, total_steps=old).lr(clock.progress)
+    except (ConfigError, TypeError):  # warmup longer than the old length: no old LR to show
+        return f"{head}; the LR at step {step} is {_lr(clock.last_lr)}"
+    before *= clock.lr_scale
+    after = clock.lr_at(clock.progress)
+    if _lr(before) == _lr(after):
+        return f"{head}; the LR at step {step} stays {_lr(after)}"
+    return f"{head}: the LR jumps from {_lr(before)} to {_lr(after)} at step {step}"

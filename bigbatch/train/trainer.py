@@ -64,7 +64,7 @@ from bigbatch.train.progress import (
     ProgressBar,
     closing_line,
 )
-from bigbatch.train.resume import check_resume
+from bigbatch.train.resume import check_resume, schedule_change_line
 from bigbatch.train.sharded import load_sharded
 from bigbatch.train.signals import Stopped, StopSignals
 from bigbatch.train.stopped import write_stopped
@@ -184,6 +184,10 @@ class _Trainer:
                                  resumed=ckpt is not None, data_note=task.data_note(),
                                  fleet=config.fleet, launch=launch_lines(launch)):
             self.bar.print(line)
+        if ckpt is not None and self.main:
+            extended = schedule_change_line(run.clock, ckpt)
+            if extended is not None:
+                self.bar.print(extended)
 
     def _restore(self, ckpt: dict) -> None:
         self.checkpoints.restore(ckpt, self.run, self.sampler, self.config.seed)
@@ -390,7 +394,7 @@ class _Trainer:
         return {"strategy": self.strategy.to_dict(), "config": self.config.to_dict(),
                 "wall_time_s": self.elapsed_before + time.perf_counter() - self.t_start,
                 "nonfinite_skipped_steps": self.guard.skipped if self.guard else 0,
-                "lr_find": self.lr_found}
+                "lr_find": self.lr_found, "total_steps": self.total_steps}
 
     def _finish(self, metrics: dict[str, float], step_time: float) -> dict[str, Any]:
         run, plan, task = self.run, self.run.plan, self.task
