@@ -77,6 +77,10 @@ CASES = [
     # batch arithmetic
     ("micro_not_divisor", [S, "batch.micro_batch_size=48"], "prev",
      "global_batch_size=64 is not micro_batch_size 48"),
+    # the README's old gradient-merge command: the refusal names the key to add
+    ("merge_not_enabled", [S, "batch.micro_batch_size=16"], "prev",
+     "to merge 4 micro-steps add --set gradient_merge.k_steps=4 (in a file: [gradient_merge] "
+     "k_steps = 4), or set batch.global_batch_size=16"),
     ("merge_inconsistent", [S, "batch.micro_batch_size=16", S, "gradient_merge.k_steps=3"],
      "prev", "x k_steps 3"),
     ("batch_larger_than_data", [S, "batch.global_batch_size=100000"], "prev",

@@ -451,7 +451,8 @@ def test_resolve_any_two_determine_the_third(toml, world, plan):
             "global_batch_size=1024\nmicro_batch_size=64",
             2,
             "batch.global_batch_size=1024 is not micro_batch_size 64 x k_steps 1 x world_size 2 = 128; "
-            "enable [gradient_merge] to merge 8 micro-steps",
+            "to merge 8 micro-steps add --set gradient_merge.k_steps=8 (in a file: "
+            "[gradient_merge] k_steps = 8), or set batch.global_batch_size=128",
         ),
         (
             "global_batch_size=1000\nmicro_batch_size=64\n[gradient_merge]",

@@ -329,7 +329,9 @@ class Strategy:
         elif g != m * k * w:
             hint = ""
             if not merge and g > m * w and g % (m * w) == 0:
-                hint = f"; enable [gradient_merge] to merge {g // (m * w)} micro-steps"
+                hint = (f"; to merge {g // (m * w)} micro-steps add --set gradient_merge."
+                        f"k_steps={g // (m * w)} (in a file: [gradient_merge] k_steps = "
+                        f"{g // (m * w)}), or set batch.global_batch_size={m * k * w}")
             raise ConfigError(
                 f"batch.global_batch_size={g} is not micro_batch_size {m} x k_steps {k} x "
                 f"world_size {w} = {m * k * w}{hint}"
