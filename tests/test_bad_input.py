@@ -93,7 +93,11 @@ CASES = [
     ("lars_with_adamw", [S, "optimizer.type=adamw"], "prev", "[lars] needs optimizer.type"),
     ("unknown_optimizer", [S, "optimizer.type=adam"], "prev", "optimizer.type must be one of"),
     # --set / --task-opt syntax
-    ("set_no_equals", [S, "batch"], "prev", "must look like section.key=value"),
+    ("set_no_equals", [S, "batch"], "prev", "--set takes section.key=value, got --set 'batch'"),
+    ("set_space_not_equals", [S, "batch.global_batch_size", "64"], "prev",
+     "--set takes section.key=value, got --set batch.global_batch_size 64 "
+     "(write --set batch.global_batch_size=64)"),
+    ("set_last_without_value", [S], "prev", "--set takes section.key=value, got --set with"),
     ("set_no_value", [S, "batch.global_batch_size="], "prev", "global_batch_size: expected"),
     ("task_opt_syntax", ["--task-opt", "num_samples"], "prev", "must look like key=value"),
     ("task_opt_unknown", ["--task-opt", "foo=1"], "prev", "task option 'foo' is not"),

@@ -134,10 +134,35 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _set_without_equals(argv: list[str]) -> str | None:
+    """The one line for a `--set` whose value is not section.key=value (argparse would say
+    only "unrecognized arguments: 64" for ``--set batch.global_batch_size 64``)."""
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return None
+        if arg != "--set":
+            continue
+        item = argv[i + 1] if i + 1 < len(argv) else None
+        if item is None or item.startswith("--"):
+            return "--set takes section.key=value, got --set with no value"
+        if "=" in item:
+            continue
+        value = argv[i + 2] if i + 2 < len(argv) and not argv[i + 2].startswith("--") else None
+        if value is None:
+            return f"--set takes section.key=value, got --set {item!r}"
+        return (f"--set takes section.key=value, got --set {item} {value} "
+                f"(write --set {item}={value})")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     own_process = argv is None  # this process's own command line: it ends with main()
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(next((a for a in argv if not a.startswith("-")), None))
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command)
+    if (line := _set_without_equals(argv)) is not None:
+        print(f"bigbatch {command}: error: {line}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (2, one line already printed)
