@@ -238,3 +238,32 @@ def test_cli_suggest_lists_fitting_layouts(tmp_path):
     assert "layouts that fit 0.008 GiB, fastest first" in p.stdout
     rows = p.stdout.split("fastest first")[1].splitlines()[2:]
     assert rows and "none" not in rows[0]
+
+
+def _x(b: int) -> torch.Tensor:
+    return torch.zeros(b, WIDTH, device="meta")
+
+
+BAD_EXAMPLES = [
+    ("a_tensor", _x(2), "got a Tensor"),
+    ("one_tensor", lambda b: _x(b), "example(2) returned a Tensor"),
+    ("three", lambda b: (_x(b),) * 3, "example(2) returned a tuple of 3"),
+    ("fixed_batch", lambda b: (_x(1), _x(1)), "inputs have shape (1, 1024), not 2 x ..."),
+    ("targets_not_tensor", lambda b: (_x(b), [0] * b), "targets is a list"),
+    ("raises", lambda: (_x(1),) * 2, "example(2) raised TypeError"),
+]
+
+
+@pytest.mark.parametrize("example, message", [c[1:] for c in BAD_EXAMPLES],
+                         ids=[c[0] for c in BAD_EXAMPLES])
+def test_a_wrong_example_is_one_line_naming_the_contract(example, message):
+    with pytest.raises(ConfigError) as info:
+        plan(_square, _strategy(), 2, example=example)
+    text = str(info.value)
+    assert text.startswith("plan(example=...): ") and message in text, text
+    assert "\n" not in text and "returning (inputs, targets)" in text
+
+
+def test_a_right_example_on_meta_is_measured():
+    p = plan(_square, _strategy(), 2, example=lambda b: (_x(b), _x(b)))
+    assert p.ranks[0].activations

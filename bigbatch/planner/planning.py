@@ -56,7 +56,12 @@ def plan(model_fn: Callable[[], nn.Module], strategy: Any, world: int, *,
     build the model from scratch (no weights are allocated, so any size plans in seconds).
     `example(micro_batch_size)` gives one micro-batch ``(inputs, targets)`` for the
     activation estimate, the tensor-parallel traffic and the pipeline's sends (without it
-    those are not measured); `loss(output, targets)` returns the loss (or ``(sum, count)``;
+    those are not measured). Its contract: a function of one int, the micro-batch size
+    ``b``, returning a pair of tensors whose first dimension is ``b``: ``inputs`` is what
+    ``model(inputs)`` takes, ``targets`` what `loss` takes; any device (meta is cheapest:
+    only shapes and dtypes are used), e.g.
+    ``lambda b: (torch.zeros(b, 2048, dtype=torch.long),) * 2``. Anything else is a
+    one-line ConfigError naming what it gave; `loss(output, targets)` returns the loss (or ``(sum, count)``;
     default: a gradient of ones on the output). `tp_plan` and `pipeline_layers` as in
     `bigbatch.prepare`. `gpu_memory`: GiB per GPU to check the plan against.
 
@@ -66,6 +71,35 @@ def plan(model_fn: Callable[[], nn.Module], strategy: Any, world: int, *,
     return _plan(model_fn, strategy, world, example=example, loss=loss,
                  tp_plan_of=lambda model: tp_plan, tp_given=tp_plan is not None,
                  pipeline_layers=pipeline_layers, gpu_memory=gpu_memory)
+
+
+_EXPECTED = ("expected a function of the micro-batch size returning (inputs, targets), two "
+             "tensors whose first dimension is that size, e.g. lambda b: (torch.zeros(b, 128, "
+             "dtype=torch.long),) * 2")
+
+
+def _check_example(example: Any) -> torch.Tensor:
+    """`example(2)`'s inputs, once `example` keeps `Example`'s contract; else ConfigError
+    in one line naming what it gave and what was expected."""
+    if not callable(example):
+        raise ConfigError(f"plan(example=...): got a {type(example).__name__}; {_EXPECTED}")
+    try:
+        got = example(2)
+    except Exception as e:  # a user's function: its failure, named, in one line
+        raise ConfigError(f"plan(example=...): example(2) raised {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}; {_EXPECTED}") from e
+    if not isinstance(got, tuple | list) or len(got) != 2:
+        what = (f"a {type(got).__name__} of {len(got)}" if isinstance(got, tuple | list)
+                else f"a {type(got).__name__}")
+        raise ConfigError(f"plan(example=...): example(2) returned {what}; {_EXPECTED}")
+    for name, t in zip(("inputs", "targets"), got, strict=True):
+        if not isinstance(t, torch.Tensor):
+            raise ConfigError(f"plan(example=...): example(2)'s {name} is a "
+                              f"{type(t).__name__}; {_EXPECTED}")
+        if t.dim() == 0 or t.shape[0] != 2:
+            raise ConfigError(f"plan(example=...): example(2)'s {name} have shape "
+                              f"{tuple(t.shape)}, not 2 x ...; {_EXPECTED}")
+    return got[0]
 
 
 def _refuse_unplanned(strategy: Any) -> None:
@@ -106,7 +140,7 @@ def _plan(model_fn: Callable[[], nn.Module], strategy: Any, world: int, *,
                         virtual=pipe.virtual_stages if deg.pp_enabled else 1,
                         ranks=[], gpu_memory=gpu_memory, strategy=strategy)
     if example is not None:
-        inputs = example(1)[0]
+        inputs = _check_example(example)
         if isinstance(inputs, torch.Tensor) and not inputs.is_floating_point() \
                 and inputs.dim() >= 2:
             result.tokens_per_sample = int(inputs[0].numel())
