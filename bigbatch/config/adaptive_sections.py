@@ -1,5 +1,5 @@
 """The sections of adaptive training: `[adaptive]` (noise scale, AdaScale, goodput,
-elasticity, policies) and `[straggler]`."""
+elasticity, policies), `[straggler]` and `[sync_switch]`."""
 
 import re
 from dataclasses import dataclass
@@ -9,7 +9,7 @@ from bigbatch.adaptive.straggler import ACTIONS as STRAGGLER_ACTIONS
 from bigbatch.config.section_base import _f, _Section
 from bigbatch.errors import ConfigError
 
-BUILTIN_POLICIES = ("goodput", "noise_scale_doubling", "straggler")
+BUILTIN_POLICIES = ("goodput", "noise_scale_doubling", "straggler", "sync_switch")
 _POLICY_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 
 
@@ -49,8 +49,9 @@ class AdaptiveConfig(_Section):
     policies: tuple[str, ...] = _f(())
     """Policies run around the training loop (`bigbatch.Policy`): the built-in "goodput"
     (= batch_size "goodput"), "noise_scale_doubling" (KungFu's: double the batch as the
-    noise scale doubles, up to max_batch_size), "straggler" (see [straggler]), or your
-    own as "package.module:Class"."""
+    noise scale doubles, up to max_batch_size), "straggler" (see [straggler]), "sync_switch"
+    (local SGD while communication dominates a step; see [sync_switch]), or your own as
+    "package.module:Class"."""
 
     @property
     def goodput(self) -> bool:
@@ -105,3 +106,20 @@ class StragglerConfig(_Section):
     max_micro_factor: float = _f(2.0, ge=1)
     """rebalance: the largest micro batch a rank may get, as a multiple of the even one
     (a faster rank's memory)."""
+
+
+@dataclass(frozen=True)
+class SyncSwitchConfig(_Section):
+    """``[sync_switch]``: move between all-reduce and local SGD while the job runs, by the
+    measured share of a step that communication takes. On with ``[adaptive] policies =
+    ["sync_switch"]`` (`bigbatch.engine.sync_switch`)."""
+
+    section: ClassVar[str] = "sync_switch"
+
+    threshold: float = _f(0.5, gt=0, lt=1)
+    """Above this share of a step spent communicating, switch to local SGD; at or below
+    it (estimated from the time of one model average), back to all-reduce."""
+    window_steps: int = _f(20, ge=1)
+    """Optimizer steps per measurement; a switch happens only at a window's end."""
+    k_steps: int = _f(4, ge=1)
+    """Local SGD: steps between model averages (H)."""

@@ -86,6 +86,11 @@ _TP2 = {"tensor_parallel": {"tensor_parallel_degree": 2}}
 _NOISE = {"noise_scale": True}
 _PIPEDREAM = {"schedule_mode": "PipeDream"}
 _OFF = "switch one off"
+_SWITCH = 'adaptive.policies = ["sync_switch"]'
+
+
+def _switching(s: Any) -> bool:
+    return "sync_switch" in s.adaptive.policies
 
 # -- the table ------------------------------------------------------------------------------
 
@@ -289,6 +294,33 @@ CONFLICTS: tuple[Conflict, ...] = (
       "local steps do not synchronise", _OFF,
       {"localsgd": {}, "data_parallel": {"sync_batch_norm": True}},
       values=lambda s, c: {"local": _local(s)}),
+    # the sync_switch policy: all-reduce <-> local SGD while the job runs
+    C("sync-switch-localsgd", _SWITCH, "[localsgd] or [adaptive_localsgd]",
+      lambda s, c: _switching(s) and local_sgd_section(s) is not None,
+      "{a} with {local}: {reason}; {fix}", "both choose when the workers synchronise",
+      "keep one of them", {"adaptive": {"policies": ["sync_switch"]}, "localsgd": {}},
+      values=lambda s, c: {"local": _local(s)}),
+    C("sync-switch-mesh", _SWITCH, _MESH,
+      lambda s, c: _switching(s) and _meshed(s) is not None,
+      "{a} with {what}: {reason}; {fix}",
+      "its local phase averages whole per-worker models (DDP)", "use plain data parallelism",
+      {**_TP2, "adaptive": {"policies": ["sync_switch"]}},
+      values=lambda s, c: {"what": _meshed(s)}),
+    C("sync-switch-reduce", _SWITCH, 'data_parallel.reduce other than "mean"',
+      lambda s, c: _switching(s) and reduce_mode(s) != "mean",
+      '{a} with data_parallel.reduce="{mode}": {reason}; {fix}',
+      "it switches between local steps and the plain mean", 'use reduce = "mean"',
+      {"adaptive": {"policies": ["sync_switch"]}, "data_parallel": {"reduce": "bf16"}},
+      values=lambda s, c: {"mode": reduce_mode(s)}),
+    C("sync-switch-adaptive", _SWITCH, "[adaptive] (the noise scale)",
+      lambda s, c: _switching(s) and _gns_key(s) is not None,
+      "{a} with {on}: {reason}; {fix}", "local steps have no all-reduced gradient to measure",
+      _OFF, {"adaptive": {"policies": ["sync_switch"], "noise_scale": True}},
+      values=lambda s, c: {"on": _gns_key(s)}),
+    C("sync-switch-sync-batch-norm", _SWITCH, "data_parallel.sync_batch_norm",
+      lambda s, c: _switching(s) and s.data_parallel.sync_batch_norm,
+      "{a} with {b}: {reason}; {fix}", "local steps do not synchronise", _OFF,
+      {"adaptive": {"policies": ["sync_switch"]}, "data_parallel": {"sync_batch_norm": True}}),
     # the parameter server
     C("ps-mesh", "[parameter_server]", _MESH,
       lambda s, c: s.parameter_server.enable and _meshed(s) is not None,
@@ -305,6 +337,11 @@ CONFLICTS: tuple[Conflict, ...] = (
       "{a} with {local}: {fix}", "the servers apply every worker's gradient; local SGD "
       "averages models instead", _OFF, {"parameter_server": {}, "localsgd": {}},
       values=lambda s, c: {"local": _local(s)}),
+    C("ps-sync-switch", "[parameter_server]", _SWITCH,
+      lambda s, c: s.parameter_server.enable and _switching(s),
+      "{a} with {b}: {reason}; {fix}", "the servers combine the gradients; there is no "
+      "all-reduce to switch", _OFF,
+      {"parameter_server": {}, "adaptive": {"policies": ["sync_switch"]}}),
     C("ps-adaptive", "[parameter_server]", "[adaptive]",
       lambda s, c: s.parameter_server.enable and _switched_on(s) is not None,
       "{a} with {on} is not supported; {fix}", "the noise scale compares a worker's gradient "

@@ -103,7 +103,7 @@ def strategy_overview(
         if enable is False or (name == "adaptive" and not section.active
                                and not section.policies) or (
                 name == "tensor_parallel" and section.tensor_parallel_degree == 1) or (
-                name == "straggler" and "straggler" not in strategy.adaptive.policies):
+                name in ("straggler", "sync_switch") and name not in strategy.adaptive.policies):
             continue
         title = f"[{name}]" if enable is None else f"{name}=True <-> [{name}]"
         hidden = _UNUSED.get(section.type, ()) if name == "optimizer" else ()

@@ -12,7 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from bigbatch.config.adaptive_sections import BUILTIN_POLICIES, AdaptiveConfig, StragglerConfig
+from bigbatch.config.adaptive_sections import (
+    BUILTIN_POLICIES,
+    AdaptiveConfig,
+    StragglerConfig,
+    SyncSwitchConfig,
+)
 from bigbatch.config.elastic import ELASTIC_MODES
 from bigbatch.config.fields import closest, unknown_key_message
 from bigbatch.config.muon_section import MuonConfig
@@ -40,6 +45,7 @@ __all__ = [
     "AdaptiveConfig", "AdaptiveLocalSGDConfig", "AmpConfig", "BatchConfig",
     "DataParallelConfig", "DGCConfig", "GradientMergeConfig", "KfacConfig", "LambConfig",
     "LarsConfig", "LocalSGDConfig", "OptimizerConfig", "ParameterServerConfig",
+    "SyncSwitchConfig",
     "PipelineConfig", "RecomputeConfig", "ShardingConfig", "StragglerConfig",
     "TensorParallelConfig", "is_optional", "section_from_dict", "unknown_section_message",
 ]
@@ -408,6 +414,7 @@ SECTIONS: dict[str, type[_Section]] = {
         AdaptiveLocalSGDConfig,
         ParameterServerConfig,
         StragglerConfig,
+        SyncSwitchConfig,
     )
 }
 KEYS = {name: [f.name for f in dataclasses.fields(c)] for name, c in SECTIONS.items()}

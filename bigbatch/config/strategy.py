@@ -59,6 +59,7 @@ from bigbatch.config.sections import (
     RecomputeConfig,
     ShardingConfig,
     StragglerConfig,
+    SyncSwitchConfig,
     TensorParallelConfig,
     is_optional,
     section_from_dict,
@@ -153,6 +154,8 @@ class Strategy:
     """[parameter_server]: server and worker ranks on torch.distributed.rpc (off by default)."""
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     """[straggler]: straggler detection, used with adaptive.policies = ["straggler"]."""
+    sync_switch: SyncSwitchConfig = field(default_factory=SyncSwitchConfig)
+    """[sync_switch]: all-reduce <-> local SGD, used with adaptive.policies = ["sync_switch"]."""
 
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():

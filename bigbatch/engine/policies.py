@@ -18,7 +18,8 @@ already made are part of the saved state. A hook that raises ends the run with a
 `PolicyError` naming the policy and the hook (the CLI prints one line, exit 2).
 
 Built-in policies: ``goodput`` (the `[adaptive]` goodput batch size), ``noise_scale_doubling``
-(KungFu's, `bigbatch.adaptive.doubling`) and ``straggler`` (`bigbatch.engine.straggler`).
+(KungFu's, `bigbatch.adaptive.doubling`), ``straggler`` (`bigbatch.engine.straggler`) and
+``sync_switch`` (`bigbatch.engine.sync_switch`).
 """
 
 from __future__ import annotations
@@ -121,6 +122,10 @@ def _builtin(name: str) -> type[Policy]:
         from bigbatch.engine.straggler import Straggler
 
         return Straggler
+    if name == "sync_switch":
+        from bigbatch.engine.sync_switch import SyncSwitch
+
+        return SyncSwitch
     return {"goodput": GoodputPolicy, "noise_scale_doubling": NoiseScaleDoublingPolicy}[name]
 
 

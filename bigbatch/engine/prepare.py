@@ -184,6 +184,13 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
 
         local = LocalSGD([p for p in model.parameters() if p.requires_grad], optimizer, section)
         inner = local.hook
+    elif (world.is_distributed and not deg.needs_mesh
+          and "sync_switch" in strategy.adaptive.policies):  # the policy may go local
+        from bigbatch.parallel.switchable_reduce import SwitchableReduce
+
+        local = SwitchableReduce([p for p in model.parameters() if p.requires_grad], optimizer,
+                                 strategy.sync_switch.k_steps)
+        inner = local.hook
     delta = None
     if world.is_distributed and not deg.needs_mesh and adasum_target(strategy) == "delta":
         from bigbatch.parallel.adasum_delta import AdasumDelta, keep_local_hook

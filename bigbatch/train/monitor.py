@@ -39,6 +39,8 @@ class RunView:
     batch_changes: list[dict[str, Any]] = field(default_factory=list)
     autoscale: list[dict[str, Any]] = field(default_factory=list)
     """The worker-count decisions of `--nproc MIN:MAX` (`bigbatch.cli.autoscale`)."""
+    sync_switches: list[dict[str, Any]] = field(default_factory=list)
+    """All-reduce <-> local SGD switches of the ``sync_switch`` policy."""
     summary: dict[str, Any] | None = None
     stopped: dict[str, Any] | None = None
     updated: float | None = None
@@ -109,6 +111,7 @@ _VALID = {  # what each kind the view shows needs besides its step
     "rebalance": lambda r: "old" in r and "new" in r,
     "batch_size": lambda r: "old" in r and "new" in r,
     "autoscale": lambda r: "old" in r and "new" in r,
+    "sync_switch": lambda r: "old" in r and "new" in r,
 }
 
 
@@ -133,7 +136,8 @@ def read_run(out: str | Path) -> RunView:
         view.updated = path.stat().st_mtime
         kinds = {"train": view.train, "eval": view.evals, "ranks": view.ranks,
                  "straggler": view.stragglers, "rebalance": view.rebalances,
-                 "batch_size": view.batch_changes, "autoscale": view.autoscale}
+                 "batch_size": view.batch_changes, "autoscale": view.autoscale,
+                 "sync_switch": view.sync_switches}
         text = path.read_bytes().decode("utf-8", errors="replace")
         lines = text.split("\n")
         for i, line in enumerate(lines):
@@ -269,6 +273,8 @@ def render(view: RunView) -> Any:
                for c in view.batch_changes]
     events += [f"step {a['step']}: workers {a['old']} -> {a['new']} ({a.get('reason', '')})"
                for a in view.autoscale]
+    events += [f"step {w['step']}: synchronisation {w['old']} -> {w['new']} "
+               f"({w.get('reason', '')})" for w in view.sync_switches]
     if events:
         parts.append(Text("events:\n  " + "\n  ".join(events[-8:])))
     if view.skipped:

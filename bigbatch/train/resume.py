@@ -62,6 +62,7 @@ SWITCHABLE = ("data_parallel.reduce", "data_parallel.adasum_on", "data_parallel.
               "data_parallel.bucket_cap_mb", "data_parallel.find_unused_parameters",
               *(f"localsgd.{k}" for k in ("enable", "k_steps", "begin_step")),
               *(f"adaptive_localsgd.{k}" for k in ("enable", "init_k_steps", "begin_step")),
+              *(f"sync_switch.{k}" for k in ("threshold", "window_steps", "k_steps")),
               *(f"adaptive.{k}" for k in ("batch_size", "min_batch_size", "max_batch_size",
                                           "interval_steps", "gain_threshold", "noise_scale",
                                           "gns_ema", "gns_warmup_steps", "policies")))
