@@ -5,6 +5,7 @@ resume picks up; then the weight-decay / trust-ratio exclusion summary."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,28 @@ from bigbatch.config.elastic import resume_line
 from bigbatch.engine.optimizer import exclusion_summary
 from bigbatch.train.lr_phase import FoundLR
 
-__all__ = ["header_lines"]
+__all__ = ["autoscale_lines", "header_lines"]
+
+_DECISIONS_SHOWN = 4
+
+
+def autoscale_lines(out: Path) -> list[str]:
+    """The worker-count decisions of `--nproc MIN:MAX` so far (``autoscale`` lines of
+    metrics.jsonl, the last few), for the header of the segment they started."""
+    try:
+        text = (out / "metrics.jsonl").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return []
+    found = []
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("kind") == "autoscale":
+            found.append(rec)
+    return [f"autoscale: step {r.get('step')}: workers {r.get('old')} -> {r.get('new')} "
+            f"({r.get('reason', '')})" for r in found[-_DECISIONS_SHOWN:]]
 
 
 def header_lines(run: Any, strategy: Any, out: Path, sampler: Any, saved: Any,
@@ -30,7 +52,7 @@ def header_lines(run: Any, strategy: Any, out: Path, sampler: Any, saved: Any,
                  f"sample {sampler.position})"]
         moved = saved is not None and resume_line(saved, run.plan, run.world.world_size,
                                                   run.unit_batch_size, strategy)
-        return lines + ([moved] if moved else [])
+        return lines + ([moved] if moved else []) + autoscale_lines(out)
     if fleet is not None:
         from bigbatch.config.fleet import translate
 
