@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import (
     FlopCounterMode,
+    _FlopCounterMode,
     sdpa_backward_flop_count,
     sdpa_flop_count,
 )
@@ -137,6 +138,19 @@ class _Counter(FlopCounterMode):
     def __init__(self, cost: OpCost, backward_started: list[bool]) -> None:
         super().__init__(display=False, custom_mapping=_EXTRA)
         self.cost, self.backward_started = cost, backward_started
+
+    # FlopCounterMode also tracks which module each FLOP belongs to, through hooks on
+    # every module's forward and backward; only the operators are wanted here, and the
+    # hooks cost as much as the counting on a large model: run the dispatch mode alone.
+    def __enter__(self):
+        self.flop_counts.clear()
+        self.mode = _FlopCounterMode(self)
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *args):
+        mode, self.mode = self.mode, None
+        return mode.__exit__(*args)
 
     def _count_flops(self, func_packet, out, args, kwargs):
         namespace = getattr(func_packet, "_qualified_op_name", str(func_packet)).split("::")[0]

@@ -84,9 +84,11 @@ def lay_out(model: nn.Module, strategy: Any, deg: Degrees, world: World, *, tp_p
             pipeline_layers: Sequence[Any] | None,
             probe: Callable[[nn.Module, Any, dict[str, str], Sequence[Any] | None,
                              Sequence[torch.Tensor] | None], Probe | None] | None,
-            example: torch.Tensor | None) -> RankLayout:
+            example: torch.Tensor | None, cache: dict | None = None) -> RankLayout:
     """`model` (built on meta) laid out as rank `world.rank` of `deg`; `probe(module,
-    pipeline, names, layers, inputs)` runs after slicing, before sharding."""
+    pipeline, names, layers, inputs)` runs after slicing, before sharding. `cache` keeps
+    the layers' inputs between layouts of the same model (they depend only on the
+    micro-batch's shape, not on the degrees)."""
     checkpoints = list(strategy.recompute.checkpoints) if strategy.recompute.enable else []
     if checkpoints:
         apply_recompute(model, checkpoints)
@@ -98,7 +100,14 @@ def lay_out(model: nn.Module, strategy: Any, deg: Degrees, world: World, *, tp_p
 
         layers = list(pipeline_layers) if pipeline_layers is not None else model_layers(model)
         if example is not None and probe is not None:
-            inputs = chain_inputs(model, layers, example)  # before the split prunes them
+            # before the split prunes them
+            key = ("chain", tuple(layer.name for layer in layers), tuple(example.shape),
+                   example.dtype)
+            if cache is None or key not in cache:
+                inputs = chain_inputs(model, layers, example)
+                if cache is not None:
+                    cache[key] = inputs
+            inputs = cache[key] if cache is not None else inputs
         pipeline = PipelineRunner(model, layers, mesh, strategy.pipeline)
         model = pipeline.module
     if deg.tp_enabled:

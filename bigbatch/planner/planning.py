@@ -10,6 +10,7 @@ data-parallel and pipeline traffic by arithmetic (`bigbatch.planner.traffic`).
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -117,8 +118,10 @@ def _plan(model_fn: Callable[[], nn.Module], strategy: Any, world: int, *,
           pipeline_layers: Sequence[Any] | None, gpu_memory: float | None,
           check_tensor: Callable[[int], None] | None = None,
           probes: dict | None = None, ends_only: bool = False) -> LayoutPlan:
-    """`plan`'s body; `probes` keeps micro-batch probes between plans that differ only in
-    how they shard the state (the ZeRO stage does not change activations or TP traffic);
+    """`plan`'s body; `probes` keeps micro-batch probes between plans of one model that
+    differ only in how they shard the state (the ZeRO stage does not change activations
+    or TP traffic), the layers' inputs, and the built meta model (each plan lays out a
+    copy);
     `ends_only` simulates a pipeline's first and last stage only (a quick look: the first
     holds the most micro-batches, the last the head and the loss)."""
     started = time.perf_counter()
@@ -197,6 +200,21 @@ def _meta_step(layout: RankLayout, strategy: Any, optimizer: Any) -> tuple[CommC
     return count, cost
 
 
+def _fresh_model(model_fn: Callable[[], nn.Module], cache: dict) -> nn.Module:
+    """`model_fn()` on meta; between the plans of one `suggest` (a shared `cache`), a copy
+    of the first build: a meta model copies in milliseconds (no storage), and building a
+    large one costs a tenth of a second or more each time."""
+    key = "model"  # one cache holds one model's plans (see `_plan`'s `probes`)
+    if key not in cache:
+        with torch.device("meta"):
+            built = model_fn()
+        if all(p.is_meta for p in built.parameters()):
+            cache[key] = built
+        else:
+            return built
+    return copy.deepcopy(cache[key])
+
+
 def _zero1_fullest(layout: RankLayout, strategy: Any) -> int:
     """ZeRO-1's largest per-rank state: its partition of whole tensors (torch's), each
     tensor's state measured by a step of the same optimizer over all of them."""
@@ -258,12 +276,12 @@ def _plan_rank(rank: int, model_fn: Callable[[], nn.Module], strategy: Any, deg:
         return probes[key]
 
     with fake_world(rank, result.world) as world:
-        with torch.device("meta"):
-            model = model_fn()
+        model = _fresh_model(model_fn, probes)
         if not result.parameters:
             result.parameters = sum(p.numel() for p in model.parameters())
         layout = lay_out(model, strategy, deg, world, tp_plan=tp_plan_of(model),
-                         pipeline_layers=pipeline_layers, probe=run_probe, example=x)
+                         pipeline_layers=pipeline_layers, probe=run_probe, example=x,
+                         cache=probes)
         module, mesh, pipeline, names = layout.module, layout.mesh, layout.pipeline, layout.names
         step, step_cost = _meta_step(layout, strategy, layout.optimizer)
         params = list(module.parameters())
