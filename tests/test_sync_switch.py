@@ -32,7 +32,7 @@ type = "momentum"
 policies = ["sync_switch"]
 
 [sync_switch]
-threshold = 0.6
+threshold = 0.8
 window_steps = 2
 k_steps = 2
 """
@@ -62,7 +62,7 @@ def test_overview_shows_the_section_only_when_on():
     assert "[sync_switch]" not in Strategy.from_dict({}).overview(2)
 
 
-@pytest.mark.slow  # ~25 s on 2 shared cores: 2 gloo workers train 3 runs of 20 steps
+@pytest.mark.slow  # ~15 s on 2 shared cores: 2 gloo workers train 3 runs of 12 steps
 def test_switches_under_a_slow_allreduce_and_resumes_exactly(tmp_path, monkeypatch):
     import test_train as tt
 
@@ -70,18 +70,21 @@ def test_switches_under_a_slow_allreduce_and_resumes_exactly(tmp_path, monkeypat
     from bigbatch.train.monitor import read_run, render
 
     get_task("mnist1d", **tt.SMALL)
-    monkeypatch.setenv(SLOW_REDUCE_ENV, "0.3@3-8")
+    monkeypatch.setenv(SLOW_REDUCE_ENV, "0.4@3-8")
     full, cut = tmp_path / "full", tmp_path / "cut"
-    got = run_workers(tt._full_crash_resume, 2, (tt._config(full), tt._config(cut),
-                                                 SWITCHING, 2), timeout=300, init_group=True)
-    assert got == [[20, "crashed", 20]] * 2  # killed at step 10's checkpoint, resumed from 5
+    # 12 steps: few windows outside the delay, where a loaded box could read its own
+    # slowness as communication (the switch is a measurement, not a schedule)
+    got = run_workers(tt._full_crash_resume, 2, (tt._config(full, steps=12),
+                                                 tt._config(cut, steps=12), SWITCHING, 2),
+                      timeout=300, init_group=True)
+    assert got == [[12, "crashed", 12]] * 2  # killed at step 10's checkpoint, resumed from 5
     tt._assert_same_weights(tt._final(full), tt._final(cut))
 
     lines = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
     switches = [(x["step"], x["old"], x["new"]) for x in lines if x["kind"] == "sync_switch"]
     assert switches == [(4, "allreduce", "local"), (10, "local", "allreduce")]
     shares = [x["comm_fraction"] for x in lines if x["kind"] == "sync_switch"]
-    assert shares[0] > 0.6 >= shares[1]
+    assert shares[0] > 0.8 >= shares[1]
     mode = {x["step"]: x["sync_local"] for x in tt._train_lines(full)}
     assert mode[2] == 0 and mode[6] == mode[8] == 1 and mode[12] == 0
     resumed = [x for x in (json.loads(y) for y in (cut / "metrics.jsonl").read_text()
