@@ -67,6 +67,22 @@ def test_step_and_range():
     assert _drive({3: 10}, lo=3, hi=3)[0] == [3, 3]
 
 
+def test_a_size_the_batch_does_not_split_over_is_skipped():
+    # 1 and 2 workers measured; 3 cannot start (128 does not split over 3): try 4.
+    rule = Autoscaler(1, 4)
+    rule.observe(Measurement(1, 100, 10))
+    assert rule.observe(Measurement(2, 190, 20)).new == 3
+    d = rule.cannot_start(3, "global batch 128 is not a multiple of 3 workers")
+    assert (d.new, d.settled) == (4, False) and "128" in d.reason
+    assert rule.observe(Measurement(4, 360, 30)).settled
+    # with nothing above it left, the rule settles at the best size measured
+    rule = Autoscaler(1, 3)
+    rule.observe(Measurement(1, 100, 10))
+    rule.observe(Measurement(2, 190, 20))
+    d = rule.cannot_start(3, "no split")
+    assert (d.new, d.settled) == (2, True)
+
+
 def test_a_lost_worker_shrinks_and_caps():
     rule = Autoscaler(1, 4)
     rule.observe(Measurement(1, 100, 10))

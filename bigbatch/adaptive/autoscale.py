@@ -103,6 +103,8 @@ class Autoscaler:
         self.ceiling = self.hi
         """The largest size still allowed (lowered by a growth that did not pay, or a loss)."""
         self.measured: dict[int, Measurement] = {}
+        self.unusable: dict[int, str] = {}
+        """Sizes a segment could not start at (the batch does not split over them), why."""
 
     def _table(self) -> dict[int, float]:
         return {n: round(m.samples_per_s, 3) for n, m in sorted(self.measured.items())}
@@ -135,7 +137,7 @@ class Autoscaler:
                 return Decision(n, best, True, f"settle at {best} workers (best measured "
                                 f"throughput {self.measured[best].samples_per_s:.4g} "
                                 f"samples/s): {why}", marginal, self._table())
-        nxt = min(n + self.step, self.ceiling)
+        nxt = self._next(n)
         if nxt > n and nxt not in self.measured:
             what = (f"marginal scaling efficiency {marginal:.2f} >= {self.threshold:.2f} "
                     "and goodput improved" if marginal is not None else "first size measured")
@@ -147,6 +149,26 @@ class Autoscaler:
                         f", best measured throughput "
                         f"{self.measured[best].samples_per_s:.4g} samples/s", marginal,
                         self._table())
+
+    def _next(self, n: int) -> int:
+        """The size after `n`: `step` more, past sizes that could not start; `n` if none."""
+        k = n + self.step
+        while k in self.unusable:
+            k += 1
+        return k if k <= self.ceiling else n
+
+    def cannot_start(self, n: int, why: str) -> Decision:
+        """A segment could not start at `n` workers (`why`: its one-line error, such as a
+        global batch that does not split over `n`): try the next size, else settle."""
+        self.unusable[n] = why
+        below = [k for k in self.measured if k < n]
+        nxt = self._next(max(below)) if below else n
+        if nxt > n and nxt not in self.measured:
+            return Decision(n, nxt, False, f"{n} workers cannot run this job ({why}); try "
+                            f"{nxt}", None, self._table())
+        best = self._best()
+        return Decision(n, best, True, f"{n} workers cannot run this job ({why}); settle at "
+                        f"{best} workers, the best measured", None, self._table())
 
     def lost_worker(self, n: int) -> Decision:
         """A worker of the size-`n` job was lost: continue one smaller (at least ``lo``)."""

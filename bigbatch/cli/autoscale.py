@@ -119,12 +119,21 @@ def run_autoscaled(args: argparse.Namespace, argv: list[str], lo: int, hi: int,
     history: list[dict[str, Any]] = []
     n, resume, settled, losses = lo, bool(args.resume), False, 0
     first = True
+    out = Path(args.out)
+    metrics = out / METRICS_FILE
     saved_env = {k: os.environ.get(k) for k in (UNTIL_ENV, SKIP_ENV)}
     try:
         while True:
             args.nproc, args.resume = n, resume
             args.overwrite = bool(args.overwrite) and first
-            config, strategy = resolve(args)
+            try:
+                config, strategy = resolve(args)
+            except ConfigError as e:
+                if first:
+                    raise
+                decision, step = rule.cannot_start(n, str(e)), _last_step(metrics)
+                n, settled = _decided(decision, step, history, metrics, out)
+                continue
             out = Path(config.out)
             metrics = out / METRICS_FILE
             start = _last_step(metrics) if resume else 0
@@ -146,26 +155,35 @@ def run_autoscaled(args: argparse.Namespace, argv: list[str], lo: int, hi: int,
             elif status == 0:
                 _summary(out, history)
                 return 0  # the run ended (its length reached) inside this segment
+            elif status == 2 and n != lo and _last_step(metrics) == start:
+                # refused before its first step (a batch that does not split over n, say)
+                decision, step = rule.cannot_start(n, f"its segment exited 2 at step {start}"), start
             elif status == 1 and losses < hi and _last_step(metrics) > start:
                 losses += 1
                 decision, step = rule.lost_worker(n), _last_step(metrics)
             else:
                 return status
-            rec = decision.record(step)
-            history.append(rec)
-            _append(metrics, rec)
-            print(f"bigbatch train: autoscale at step {step}: {decision.reason}; measured "
-                  + ", ".join(f"{k} worker(s) {v:.4g} samples/s"
-                              for k, v in decision.measured.items()),
-                  file=sys.stderr, flush=True)
-            _write_history(out, history)
-            n, settled = decision.new, decision.settled
+            n, settled = _decided(decision, step, history, metrics, out)
     finally:
         for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _decided(decision: Any, step: int, history: list[dict[str, Any]], metrics: Path,
+             out: Path) -> tuple[int, bool]:
+    """Record `decision` (metrics.jsonl, autoscale.json, one stderr line); the size it
+    chose and whether that size is final."""
+    rec = decision.record(step)
+    history.append(rec)
+    _append(metrics, rec)
+    print(f"bigbatch train: autoscale at step {step}: {decision.reason}; measured "
+          + ", ".join(f"{k} worker(s) {v:.4g} samples/s" for k, v in decision.measured.items()),
+          file=sys.stderr, flush=True)
+    _write_history(out, history)
+    return decision.new, decision.settled
 
 
 def _last_step(metrics: Path) -> int:
