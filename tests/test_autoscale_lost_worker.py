@@ -10,18 +10,7 @@ import signal
 import time
 
 import pytest
-
-STRATEGY = """
-[batch]
-global_batch_size = 48
-base_batch_size = 16
-base_lr = 0.05
-warmup_steps = 2
-elastic = "keep"
-
-[lars]
-lars_coeff = 0.01
-"""
+from test_autoscale import STRATEGY  # the same small LARS job
 
 
 def _steps(metrics) -> list[int]:
