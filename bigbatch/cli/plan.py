@@ -45,6 +45,14 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--suggest", action="store_true",
                         help="also plan the layouts of this world (tensor 1-8, pipeline 1-8, "
                              "ZeRO 0-3) and list those that fit, least traffic first")
+    parser.add_argument("--burst", action="store_true",
+                        help="also plan DeepPool's burst parallelism: a data-parallel width "
+                             "per layer for the global batch on up to --world GPUs, its step "
+                             "against every layer on --world, and the GPU-seconds per step "
+                             "it frees for a background job")
+    parser.add_argument("--amplification", type=float, default=2.0, metavar="A",
+                        help="with --burst: the most GPU-time a layer may spend over its most "
+                             "economical width (default 2.0)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--device", default="h100", metavar="NAME",
                         help="device to predict the step time on: h100 (default), h200, "
@@ -138,6 +146,9 @@ def run_plan_command(args: argparse.Namespace) -> int:
     from bigbatch.planner.planning import plan_task
     from bigbatch.planner.report import render_suggestions, render_time
 
+    if args.amplification < 1 or args.amplification != args.amplification:
+        raise ConfigError(f"--amplification {args.amplification:g}: expected a number >= 1 "
+                          "(the GPU-time a layer may spend over its most economical width)")
     own = args.model is not None and ":" in args.model
     if own:
         from bigbatch.planner.own_model import plan_model
@@ -166,6 +177,9 @@ def run_plan_command(args: argparse.Namespace) -> int:
             return plan_task(task, s, args.world, model=model, gpu_memory=args.gpu_memory, **kw)
 
     planned = plan_one(strategy)
+    burst = None
+    if args.burst:
+        burst = _burst(args, strategy, planned, dev, own)
     timed = planned.time(dev) if planned.ranks[0].compute is not None else None
     rows, tried, times = [], 0, None
     if args.suggest:
@@ -187,6 +201,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
                                    "time": t.to_dict()}
                                   for (p, sets), t in zip(rows, times, strict=True)]
             out["suggestions_tried"] = tried
+        if burst is not None:
+            out["burst"] = burst.to_dict()
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -198,4 +214,34 @@ def run_plan_command(args: argparse.Namespace) -> int:
     if args.suggest:
         print()
         print(render_suggestions(rows, args.gpu_memory, tried, times))
+    if burst is not None:
+        print()
+        print(burst.render())
     return 0
+
+
+def _burst(args: argparse.Namespace, strategy, planned, dev, own: bool):
+    """`--burst`: the planner's `plan_burst` on the planned model, for its global batch."""
+    from bigbatch.engine.amp import amp_dtype
+    from bigbatch.planner.burst import plan_burst
+
+    if own:
+        from bigbatch.planner.own_model import model_parts
+
+        model_fn, example, loss, model_plan = model_parts(
+            args.model, options=_model_options(args.model_options), seq_len=args.seq_len,
+            plan_spec=args.model_plan)
+        layers = getattr(model_plan, "pipeline_layers", None)
+    else:
+        from bigbatch.planner.planning import task_parts
+        from bigbatch.tasks import get_task
+
+        task = get_task(args.task, **task_options(args.task_options))
+        model_fn, example, loss = task_parts(task, args.model)
+        layers = None
+    amp = strategy.amp
+    return plan_burst(model_fn, example, loss, world=args.world,
+                      batch=planned.batch.global_batch_size, dev=dev,
+                      limit=args.amplification,
+                      amp_dtype=amp_dtype(amp.dtype) if amp.enable else None,
+                      pipeline_layers=layers)

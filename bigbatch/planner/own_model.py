@@ -79,13 +79,9 @@ def _model_plan(model: nn.Module, plan_spec: str | None) -> Any:
     return own() if callable(own) else own
 
 
-def plan_model(spec: str, strategy: Any, world: int, *, options: dict[str, Any],
-               seq_len: int | None, plan_spec: str | None = None,
-               gpu_memory: float | None = None, probes: dict | None = None,
-               ends_only: bool = False) -> Any:
-    """`bigbatch.planner.planning._plan` for the model ``spec`` builds (module docstring)."""
-    from bigbatch.planner.planning import _plan
-
+def model_parts(spec: str, *, options: dict[str, Any], seq_len: int | None,
+                plan_spec: str | None = None) -> tuple[Any, Any, Any, Any]:
+    """(model_fn, example, loss, model plan) of the model ``spec`` builds."""
     build = load_object(spec, "--model")
     if not callable(build):
         raise ConfigError(f"--model {spec!r}: not a function")
@@ -108,9 +104,21 @@ def plan_model(spec: str, strategy: Any, world: int, *, options: dict[str, Any],
         if seq_len is None:
             raise ConfigError(f"--model {spec!r}: give --seq-len (the model has no "
                               "max_seq_len)")
+    return model_fn, token_example(seq_len), lm_loss, model_plan
+
+
+def plan_model(spec: str, strategy: Any, world: int, *, options: dict[str, Any],
+               seq_len: int | None, plan_spec: str | None = None,
+               gpu_memory: float | None = None, probes: dict | None = None,
+               ends_only: bool = False) -> Any:
+    """`bigbatch.planner.planning._plan` for the model ``spec`` builds (module docstring)."""
+    from bigbatch.planner.planning import _plan
+
+    model_fn, example, loss, model_plan = model_parts(spec, options=options, seq_len=seq_len,
+                                                      plan_spec=plan_spec)
     tp_plan = getattr(model_plan, "tp_plan", None)
     layers = getattr(model_plan, "pipeline_layers", None)
-    return _plan(model_fn, strategy, world, example=token_example(seq_len), loss=lm_loss,
+    return _plan(model_fn, strategy, world, example=example, loss=loss,
                  tp_plan_of=lambda model: tp_plan, tp_given=tp_plan is not None,
                  pipeline_layers=layers, gpu_memory=gpu_memory, probes=probes,
                  ends_only=ends_only)

@@ -40,7 +40,7 @@ from bigbatch.planner.traffic import (
     schedule_order,
 )
 
-__all__ = ["plan", "plan_task"]
+__all__ = ["plan", "plan_task", "task_parts"]
 
 Example = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 """``example(micro_batch_size) -> (inputs, targets)``: one micro-batch (any device; only
@@ -349,13 +349,9 @@ def _plan_rank(rank: int, model_fn: Callable[[], nn.Module], strategy: Any, deg:
     return out
 
 
-def plan_task(task: Any, strategy: Any, world: int, *, model: str | None = None,
-              gpu_memory: float | None = None, probes: dict | None = None,
-              ends_only: bool = False) -> LayoutPlan:
-    """`plan` for a built-in task's model (`bigbatch.tasks`): its tensor-parallel plan and
-    checks, its loss, micro-batches shaped like its training data. `probes`: as `_plan`."""
-    from bigbatch.tasks import Task
-
+def task_parts(task: Any, model: str | None = None) -> tuple[Any, Any, Any]:
+    """(model_fn, example, loss) of a built-in task's model (`bigbatch.tasks`): micro-batches
+    shaped like its training data on meta, its own loss."""
     name = task.check_model(model)
     data = task.train_set.tensors
 
@@ -366,7 +362,18 @@ def plan_task(task: Any, strategy: Any, world: int, *, model: str | None = None,
     def loss(output: torch.Tensor, targets: torch.Tensor) -> Any:
         return task.loss(output, (None, targets))
 
-    return _plan(lambda: task.build_model(name), strategy, world, example=example, loss=loss,
+    return (lambda: task.build_model(name)), example, loss
+
+
+def plan_task(task: Any, strategy: Any, world: int, *, model: str | None = None,
+              gpu_memory: float | None = None, probes: dict | None = None,
+              ends_only: bool = False) -> LayoutPlan:
+    """`plan` for a built-in task's model (`bigbatch.tasks`): its tensor-parallel plan and
+    checks, its loss, micro-batches shaped like its training data. `probes`: as `_plan`."""
+    from bigbatch.tasks import Task
+
+    model_fn, example, loss = task_parts(task, model)
+    return _plan(model_fn, strategy, world, example=example, loss=loss,
                  tp_plan_of=task.tp_plan, tp_given=type(task).tp_plan is not Task.tp_plan,
                  pipeline_layers=None, gpu_memory=gpu_memory,
                  check_tensor=task.check_tensor_parallel, probes=probes, ends_only=ends_only)
