@@ -44,7 +44,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="memory of one GPU in GiB (2^30 bytes): say whether the plan fits")
     parser.add_argument("--suggest", action="store_true",
                         help="also plan the layouts of this world (tensor 1-8, pipeline 1-8, "
-                             "ZeRO 0-3) and list those that fit, least traffic first")
+                             "ZeRO 0-3) and list those that fit, fastest first by the predicted "
+                             "step time")
     parser.add_argument("--burst", action="store_true",
                         help="also plan DeepPool's burst parallelism: a data-parallel width "
                              "per layer for the global batch on up to --world GPUs, its step "
