@@ -66,6 +66,10 @@ def _child(fn: Callable, args: tuple, rank: int, world_size: int, port: int, out
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
+    # gloo's own sockets on loopback too (as bigbatch's launcher sets for a single-node
+    # job): left to the host name, a 2-rank TP group was seen to hang in gloo's connect
+    # under pytest (tests/test_own_loop_data).
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     import torch.distributed as dist
 
