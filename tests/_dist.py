@@ -61,7 +61,8 @@ def _child(fn: Callable, args: tuple, rank: int, world_size: int, port: int, out
     # A fork of the fork server has the environment the server started with: take the
     # test's own, as a spawned process would.
     os.environ.clear()
-    os.environ.update(environ)
+    os.environ.update({k: v for k, v in environ.items()  # not a launcher's, from an earlier test
+                       if not k.startswith(("TORCHELASTIC_", "BIGBATCH_LAUNCHER"))})
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),

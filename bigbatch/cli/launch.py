@@ -192,6 +192,7 @@ def run_torchrun(torchrun_argv: list[str], *, command: str, timeout: float,
     from bigbatch.train.signals import exit_status
 
     args = torchrun.get_args_parser().parse_args(torchrun_argv)
+    saved_environ = dict(os.environ)  # put back after the job: set for its workers only
     os.environ.update(env or {})
     for name, value in bind_rendezvous(args).items():  # the user's own setting wins
         os.environ.setdefault(name, value)
@@ -240,3 +241,5 @@ def run_torchrun(torchrun_argv: list[str], *, command: str, timeout: float,
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+        os.environ.clear()
+        os.environ.update(saved_environ)
