@@ -23,7 +23,32 @@ KERNELS = ("auto", "reference", "per_tensor", "multi_tensor", "triton")
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
-class LayerwiseOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
+class EagerStepOptimizer(torch.optim.Optimizer):
+    """An optimizer whose update (`_step`) always runs eagerly. ``step(closure)`` is
+    torch's protocol; under ``torch.compile`` (of the step, or of a function that calls
+    it) Dynamo breaks the graph at `_eager` and the kernel runs as written, so a compiled
+    step equals the eager one. Traced, the kernels' host reads (``.item()``, Python-float
+    trust ratios) became constants of the graph and gave other weights without an error."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._eager()
+        return loss
+
+    @torch.compiler.disable
+    def _eager(self) -> None:
+        self._step()
+
+    def _step(self) -> None:
+        """The update of every group."""
+        raise NotImplementedError
+
+
+class LayerwiseOptimizer(EagerStepOptimizer, metaclass=abc.ABCMeta):
     """Base for layer-wise adaptive optimizers (one trust ratio per tensor).
 
     Subclasses set ``_name`` and implement ``_update(work, kernel, ratios)``
@@ -112,22 +137,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             return "per_tensor"
         return "multi_tensor" if self.fast else "reference"
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._step()
-        return loss
-
-    @torch.compiler.disable
     def _step(self) -> None:
-        """The update itself, always run eagerly: under ``torch.compile`` (of the step, or
-        of a function that calls it) Dynamo breaks the graph here and the kernel runs as
-        written, so a compiled step equals the eager one. Traced, the kernels' host reads
-        (``.item()``, Python-float trust ratios) became constants of the graph and gave
-        other weights without an error."""
         work = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]

@@ -45,6 +45,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from ._base import EagerStepOptimizer
 from ._norms import local
 from ._params import check_range
 from .layouts import align_group
@@ -192,7 +193,7 @@ def _flag(found_inf: torch.Tensor | None, params: Sequence[torch.Tensor]
     return found_inf.to(local(params[0]).device).reshape(()).bool()
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(EagerStepOptimizer):
     """Muon for hidden matrices and AdamW for the rest, in one optimizer.
 
     Args:
@@ -259,19 +260,7 @@ class Muon(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(w)
         return state["step"], local(state["exp_avg"]), local(state["exp_avg_sq"])
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._step()
-        return loss
-
-    @torch.compiler.disable
     def _step(self) -> None:
-        """The update, always eager: under ``torch.compile`` Dynamo breaks the graph here,
-        so a compiled step equals the eager one (as LARS's and LAMB's)."""
         # GradScaler's protocol: a set flag skips the step on the device, never read here.
         found_inf = getattr(self, "found_inf", None)
         matrices, runs = [], []
