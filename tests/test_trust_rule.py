@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -79,6 +81,86 @@ def test_param_groups_honours_no_weight_decay(exclude):
     decay, no_decay = bigbatch.param_groups(ViTish(), 0.05, exclude)
     assert decay["param_names"] == ["proj.weight"]
     assert set(no_decay["param_names"]) == {"pos_embed", "cls_token", "proj.bias"}
+
+
+class Holder(nn.Module):
+    """A trainer's module around a timm-style model (a LightningModule's `self.backbone`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = ViTish()
+        self.head = nn.Linear(4, 2)
+
+
+def test_declared_names_of_a_submodule_take_its_path():
+    decay, no_decay = bigbatch.param_groups(Holder(), 0.05)
+    assert decay["param_names"] == ["backbone.proj.weight", "head.weight"]
+    assert {"backbone.pos_embed", "backbone.cls_token"} <= set(no_decay["param_names"])
+    # timm's wildcards; names given for (name, param) pairs
+    pairs = list(ViTish().named_parameters())
+    groups = bigbatch.param_groups(pairs, 0.05, no_weight_decay={"*_embed"})
+    assert groups[1]["param_names"] == ["pos_embed", "proj.bias"]
+
+
+def _strategy(section: str, **keys) -> bigbatch.Strategy:
+    opt = "momentum" if section == "lars" else "adamw"
+    extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items())
+    return bigbatch.Strategy.from_toml(
+        f'[batch]\nbase_lr = 0.1\n[optimizer]\ntype = "{opt}"\n'
+        f"[{section}]\nenable = true\n{extra}")
+
+
+def _pos_embed_group(opt, model):
+    return next(g for g in opt.param_groups if any(p is model.pos_embed for p in g["params"]))
+
+
+def _pos_embed_ratio(opt, model):
+    opt.track_trust_ratios = True
+    x = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(0))
+    (model.proj(x + model.pos_embed) + model.cls_token).square().sum().backward()
+    opt.step()
+    order = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    return float(opt.trust_ratios()[[p is model.pos_embed for p in order].index(True)])
+
+
+def _vit():
+    m = ViTish()
+    with torch.no_grad():  # unit-scale weights: a trust ratio would not be 1 by chance
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    return m
+
+
+@pytest.mark.parametrize("section", ["lamb", "lars"])
+@pytest.mark.parametrize("exclude", [None, ("bias",)])
+def test_the_strategys_optimizer_honours_no_weight_decay(section, exclude):
+    """build_optimizer and prepare: pos_embed takes no weight decay and no trust ratio,
+    unless always_adapt gives every excluded tensor one."""
+    keys = {} if exclude is None else {"exclude_from_weight_decay": list(exclude)}
+    strategy = _strategy(section, **keys)
+    m = _vit()
+    opt = bigbatch.build_optimizer(m, strategy, lr=0.1)
+    group = _pos_embed_group(opt, m)
+    assert group["weight_decay"] == 0.0 and group["layer_adaptation"] is False
+    assert {"pos_embed", "cls_token"} <= set(group["param_names"])
+    assert _pos_embed_ratio(opt, m) == 1.0
+    run = bigbatch.prepare(m := _vit(), strategy, total_steps=4)
+    group = _pos_embed_group(run.optimizer, m)
+    assert group["weight_decay"] == 0.0 and group["layer_adaptation"] is False
+    m = _vit()
+    adapting = bigbatch.build_optimizer(m, _strategy(section, always_adapt=True), lr=0.1)
+    assert _pos_embed_group(adapting, m)["weight_decay"] == 0.0
+    assert _pos_embed_ratio(adapting, m) != 1.0
+
+
+def test_muon_groups_honour_no_weight_decay():
+    m = Holder()
+    strategy = bigbatch.Strategy.from_toml(
+        '[optimizer]\ntype = "adamw"\n[muon]\nenable = true\nadamw_params = ["head"]\n')
+    opt = bigbatch.build_optimizer(m, strategy, lr=0.01)
+    decays = {n: g["weight_decay"] for g in opt.param_groups for n in g["param_names"]}
+    assert decays["backbone.pos_embed"] == decays["backbone.cls_token"] == 0.0
+    assert decays["backbone.proj.weight"] > 0
 
 
 def _trained(opt_cls, named=False, **kw):

@@ -39,7 +39,8 @@ def build_optimizer(model: nn.Module, strategy: Any, lr: float | None = None,
     adamw -> AdamW (torch.optim, fused/foreach); `[lars]` turns momentum into LARS,
     `[lamb]` adamw into LAMB and `[muon]` adamw into Muon + AdamW (bigbatch.optim).
     Parameters are split by `exclusion_groups` (no weight decay and no trust ratio for
-    the excluded). `lr` None: the strategy's peak LR (base LR scaled to its global batch
+    the excluded, among them what the model's `no_weight_decay()` names, timm's
+    convention). `lr` None: the strategy's peak LR (base LR scaled to its global batch
     over `data_degree` data-parallel ranks, default $WORLD_SIZE or 1), the LR a
     `bigbatch.ScheduleLR` over `strategy.schedule(...)` multiplies.
     `zero`: the same optimizer inside a `ZeroRedundancyOptimizer` (ZeRO stage 1).
@@ -121,10 +122,11 @@ def exclusion_groups(model: nn.Module, weight_decay: float, exclude: tuple[str, 
 
     `exclude` None: the default rule, every tensor with ndim <= 1 (biases, norm gains;
     nanoGPT's and timm's convention). A tuple: Fleet's rule, parameter-name substrings
-    (`match` "suffix": name endings, Fleet's lamb);
+    (`match` "suffix": name endings, Fleet's lamb). Under either, the names `model` or a
+    submodule declares in `no_weight_decay()` (timm's ViT: `pos_embed`, `cls_token`);
     a pattern that matches no parameter gets a one-line warning naming it (`warn`).
     """
-    from bigbatch.optim import param_groups
+    from bigbatch.optim import declared_no_decay, param_groups
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     for pattern in exclude if warn and exclude else ():
@@ -132,7 +134,8 @@ def exclusion_groups(model: nn.Module, weight_decay: float, exclude: tuple[str, 
                    for name, _ in named):
             log.warning("warning: exclude_from_weight_decay pattern %r matches no parameter "
                         "(names look like %r)", pattern, named[0][0] if named else "")
-    return param_groups(named, weight_decay, exclude, match)
+    return param_groups(named, weight_decay, exclude, match,
+                        no_weight_decay=declared_no_decay(model))
 
 
 def exclusion_summary(optimizer: torch.optim.Optimizer, group: Any = None,

@@ -8,12 +8,14 @@ and, unless ``always_adapt``, no trust ratio.
 
 from __future__ import annotations
 
+import fnmatch
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import torch
 
-__all__ = ["param_groups", "split_by_exclusion", "check_range"]
+__all__ = ["param_groups", "declared_no_decay", "matches_declared", "split_by_exclusion",
+           "check_range"]
 
 
 def check_range(owner: str, name: str, value, low=None, high=None, *,
@@ -41,6 +43,26 @@ def default_no_decay(name: str, param: torch.Tensor) -> bool:
     return param.ndim <= 1
 
 
+def declared_no_decay(module: torch.nn.Module) -> set[str]:
+    """The parameter names a model keeps from weight decay by timm's convention: what
+    ``no_weight_decay()`` returns (ViT's ``{"pos_embed", "cls_token"}``), on the module
+    and on any submodule, whose names get its path as prefix (a timm model held as
+    ``self.backbone`` by a LightningModule declares ``backbone.pos_embed``). Entries may
+    hold ``fnmatch`` wildcards, as timm's own matching allows."""
+    names: set[str] = set()
+    for path, sub in module.named_modules():
+        own = getattr(sub, "no_weight_decay", None)
+        if callable(own):
+            names.update(f"{path}.{n}" if path else str(n) for n in own())
+    return names
+
+
+def matches_declared(name: str, names: Collection[str]) -> bool:
+    """`name` is one of `declared_no_decay`'s names, or matches one holding a wildcard."""
+    return name in names or any(fnmatch.fnmatchcase(name, n) for n in names
+                                if any(c in n for c in "*?["))
+
+
 def _matches(name: str, patterns: Sequence[str], match: str = "substring") -> bool:
     if match == "suffix":
         return any(name.endswith(p) for p in patterns)
@@ -48,15 +70,19 @@ def _matches(name: str, patterns: Sequence[str], match: str = "substring") -> bo
 
 
 def param_groups(model_or_params, weight_decay: float,
-                 exclude: Sequence[str] | None = None, match: str = "substring") -> list[dict]:
+                 exclude: Sequence[str] | None = None, match: str = "substring", *,
+                 no_weight_decay: Collection[str] | None = None) -> list[dict]:
     """Split parameters into a decay group and a no-decay group.
 
     ``model_or_params`` is an ``nn.Module`` or an iterable of ``(name, param)``.
     A parameter is excluded when its name contains one of the ``exclude``
     substrings (Fleet's ``exclude_from_weight_decay``, e.g. ``("bn", "bias")``), or
     ends with one when ``match="suffix"`` (Fleet's lamb); with ``exclude=None`` the default rule applies: every tensor with
-    ``ndim <= 1`` (biases and normalisation weights) is excluded. A module's own
-    ``no_weight_decay()`` names (timm's ViT: ``pos_embed``, ``cls_token``) are excluded too.
+    ``ndim <= 1`` (biases and normalisation weights) is excluded. The names a module
+    declares in ``no_weight_decay()`` (timm's ViT: ``pos_embed``, ``cls_token``; see
+    `declared_no_decay`) are excluded too, under either rule; ``no_weight_decay`` gives
+    those names when the parameters come as ``(name, param)`` pairs (default: the
+    module's declared names, none for pairs).
 
     Excluded parameters get ``weight_decay=0`` and ``layer_adaptation=False``
     (no trust ratio in LARS / LAMB, so they take a plain momentum or Adam step,
@@ -68,18 +94,17 @@ def param_groups(model_or_params, weight_decay: float,
         raise ValueError(f"param_groups: match={match!r} should be 'substring' or 'suffix'")
     named = list(model_or_params.named_parameters()) if isinstance(
         model_or_params, torch.nn.Module) else list(model_or_params)
-    # timm's convention: a model names the tensors it keeps from weight decay (ViT's
-    # pos_embed, cls_token) in no_weight_decay(); honoured under either rule.
-    own = getattr(model_or_params, "no_weight_decay", None)
-    keep_out = set(own()) if callable(own) else set()
+    if no_weight_decay is None:
+        no_weight_decay = declared_no_decay(model_or_params) if isinstance(
+            model_or_params, torch.nn.Module) else ()
     if named and not _is_named(named):
         raise ValueError("param_groups: expected a module or (name, parameter) pairs")
     decay, no_decay = [], []
     for name, p in named:
         if not p.requires_grad:
             continue
-        excluded = name in keep_out or (default_no_decay(name, p) if exclude is None
-                                        else _matches(name, exclude, match))
+        excluded = matches_declared(name, no_weight_decay) or (
+            default_no_decay(name, p) if exclude is None else _matches(name, exclude, match))
         (no_decay if excluded else decay).append((name, p))
     groups = []
     if decay:

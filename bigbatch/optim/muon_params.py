@@ -12,12 +12,13 @@ model by data, not by code: ``nn.Embedding`` weights and names containing one of
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import torch
 
 from ._base import fusable
 from ._norms import local
+from ._params import declared_no_decay, matches_declared
 
 __all__ = ["adamw_step", "muon_param_groups", "split_muon_groups"]
 
@@ -33,12 +34,15 @@ def _to_adamw(name: str | None, p: torch.Tensor, adamw: Sequence[str],
 
 def muon_param_groups(model_or_params, weight_decay: float,
                       adamw: Sequence[str] = DEFAULT_ADAMW,
-                      exclude: Sequence[str] | None = None) -> list[dict]:
+                      exclude: Sequence[str] | None = None, *,
+                      no_weight_decay: Collection[str] | None = None) -> list[dict]:
     """Param groups for `bigbatch.optim.Muon`: Muon matrices, AdamW matrices, and AdamW
     tensors without weight decay (``ndim <= 1``, or names containing one of ``exclude``
     when given: Fleet's ``exclude_from_weight_decay``). ``model_or_params``: a module
     (its ``nn.Embedding`` weights go to AdamW whatever their names) or ``(name, param)``
-    pairs. A matrix that ``exclude`` names still takes Muon, without weight decay. Each
+    pairs. The names a module declares in ``no_weight_decay()`` (``no_weight_decay`` for
+    pairs) take no weight decay either, as in `bigbatch.param_groups`.
+    A matrix that ``exclude`` or those names hold still takes Muon, without weight decay. Each
     group carries ``use_muon``, ``weight_decay``, ``param_names`` and
     ``layer_adaptation`` (False for the undecayed, as `bigbatch.param_groups` marks them).
     Empty groups are dropped."""
@@ -47,6 +51,8 @@ def muon_param_groups(model_or_params, weight_decay: float,
         embeddings = {id(m.weight) for m in model_or_params.modules()
                       if isinstance(m, torch.nn.Embedding)}
         named = list(model_or_params.named_parameters())
+        if no_weight_decay is None:
+            no_weight_decay = declared_no_decay(model_or_params)
     else:
         named = list(model_or_params)
     kinds: dict[tuple[bool, bool], list] = {(True, True): [], (True, False): [],
@@ -54,7 +60,8 @@ def muon_param_groups(model_or_params, weight_decay: float,
     for name, p in named:
         if not p.requires_grad:
             continue
-        decayed = p.ndim >= 2 if exclude is None else not any(s in name for s in exclude)
+        decayed = (p.ndim >= 2 if exclude is None else not any(s in name for s in exclude)) \
+            and not matches_declared(name, no_weight_decay or ())
         to_muon = not _to_adamw(name, p, adamw, embeddings)
         kinds[(to_muon, decayed)].append((name, p))
     return [{"params": [p for _, p in items], "param_names": [n for n, _ in items],
