@@ -5,7 +5,8 @@ optimizer step runs under ``torch.cuda.set_sync_debug_mode("error")``: AdamW,
 LAMB, LARS, global-norm clipping, bf16 autocast, gradient merge, summed losses
 with a tensor count, the noise scale (its norms stay on the device until the
 batched transfer every 64 steps, or a read of `run.stats`), and fp16 loss scaling
-(the optimizer skips an overflow step on the device: `Run.device_skip`).
+(the optimizer skips an overflow step on the device: `Run.device_skip`), Fleet's AMP
+op lists and Muon. Under fp16 the listed ops compute in their listed dtype on CUDA.
 """
 
 from __future__ import annotations
@@ -62,6 +63,15 @@ CASES = {
                         "lamb": {"enable": True}, "gradient_merge": {"k_steps": 2},
                         "amp": {"enable": True, "dtype": "float16"}},
     "lars_fp16": {"optimizer": {"type": "momentum", "momentum": 0.9}, "lars": {"enable": True},
+                  "amp": {"enable": True, "dtype": "float16"}},
+    # Fleet's AMP op lists (a TorchFunctionMode around autocast) under loss scaling
+    "adamw_fp16_op_lists": {"optimizer": {"type": "adamw"}, "amp": {
+        "enable": True, "dtype": "float16", "custom_black_list": ["layer_norm", "softmax"],
+        "custom_white_list": ["gelu"]}},
+    "muon_bf16_merge": {"optimizer": {"type": "adamw"}, "muon": {"enable": True},
+                        "gradient_merge": {"k_steps": 2}, "amp": {"enable": True,
+                                                                 "dtype": "bfloat16"}},
+    "muon_fp16": {"optimizer": {"type": "adamw"}, "muon": {"enable": True},
                   "amp": {"enable": True, "dtype": "float16"}},
 }
 
@@ -172,3 +182,23 @@ def test_a_nan_loss_is_skipped_on_the_device_and_named_later(name):
         assert torch.equal(a, p.detach())
     with pytest.raises(NonFiniteLossError, match="non-finite loss at optimizer step 2 "):
         _ = run.stats
+
+
+def test_fleet_op_lists_set_each_listed_ops_dtype_on_cuda():
+    """fp16 autocast on CUDA: a black-listed op runs in float32, a white-listed one in
+    float16, the rest as autocast decides (linear: float16, layer_norm: float32)."""
+    torch.manual_seed(0)
+    net = Tiny().cuda()
+    strategy = _strategy({"optimizer": {"type": "adamw"}, "amp": {
+        "enable": True, "dtype": "float16", "custom_black_list": ["linear"],
+        "custom_white_list": ["layer_norm"]}})
+    run = prepare(net, strategy, total_steps=2, world=World(device=torch.device("cuda")))
+    seen = {}
+    for name, mod in (("up", net.layers[0].up), ("norm", net.layers[0].norm),
+                      ("head", net.head)):
+        mod.register_forward_hook(lambda m, i, o, name=name: seen.__setitem__(name, o.dtype))
+    x = torch.randint(0, 64, (16, 8), device="cuda")
+    with run.micro_step() as ms:
+        out = run.model(x)
+        ms.backward(F.cross_entropy(out.float().flatten(0, 1), x.flatten()))
+    assert seen == {"up": torch.float32, "norm": torch.float16, "head": torch.float32}
