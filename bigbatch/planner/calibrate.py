@@ -10,6 +10,11 @@ benchmarks run (OMP_NUM_THREADS=1):
   and bandwidth of the ring model (``2 (n-1) hop + 2 (n-1)/n s / rate``) solved from two
   points. Both ranks are on this machine: its "node" holds 2 ranks and the same figures
   serve between nodes.
+
+The first two's functions (`matmul_rate`, `copy_bandwidth`, `kernel_overhead`) take a
+`device` (default the CPU): on CUDA each timing waits for the device
+(``torch.cuda.synchronize``) before it starts and before it stops, and a product needs a
+larger ``n`` to reach the rate (benchmarks/plan_time_gpu.py uses 4096).
 """
 
 from __future__ import annotations
@@ -31,31 +36,45 @@ __all__ = ["calibrate", "calibrate_to"]
 TIMEOUT_S = 60.0
 
 
-def _median_time(fn: Callable[[], object], repeats: int = 7, inner: int = 1) -> float:
+def _sync(device: torch.device | str) -> Callable[[], None]:
+    """What waits for `device`'s queued work (nothing on the CPU: it runs in order)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def _median_time(fn: Callable[[], object], repeats: int = 7, inner: int = 1,
+                 device: torch.device | str = "cpu") -> float:
+    sync = _sync(device)
     fn()
+    sync()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(inner):
             fn()
+        sync()
         times.append((time.perf_counter() - start) / inner)
     return statistics.median(times)
 
 
-def matmul_rate(dtype: torch.dtype, n: int = 512) -> float:
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return 2 * n**3 / _median_time(lambda: a @ b, repeats=5, inner=3)
+def matmul_rate(dtype: torch.dtype, n: int = 512, device: torch.device | str = "cpu") -> float:
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    return 2 * n**3 / _median_time(lambda: a @ b, repeats=5, inner=3, device=device)
 
 
-def copy_bandwidth(nbytes: int = 64 * 2**20) -> float:
-    src = torch.ones(nbytes // 4)
+def copy_bandwidth(nbytes: int = 64 * 2**20, device: torch.device | str = "cpu") -> float:
+    src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _median_time(lambda: dst.copy_(src), repeats=7)
+    return 2 * nbytes / _median_time(lambda: dst.copy_(src), repeats=7, device=device)
 
 
-def kernel_overhead() -> float:
-    a, b = torch.ones(1), torch.ones(1)
-    return _median_time(lambda: torch.add(a, b), repeats=7, inner=2000)
+def kernel_overhead(device: torch.device | str = "cpu") -> float:
+    """Seconds per tiny kernel run back to back: on CUDA the host's launch rate, the floor
+    of an eager step's small operators."""
+    a, b = torch.ones(1, device=device), torch.ones(1, device=device)
+    return _median_time(lambda: torch.add(a, b), repeats=7, inner=2000, device=device)
 
 
 def _free_port() -> int:
