@@ -5,18 +5,23 @@ bigbatch's own loop over the same micro-batches (LARS and LAMB, accumulation wit
 last window, float32 1e-6), and the noise scale it logs equals `GradientNoiseScale` fed
 the same gradients in that loop; the batch grows between epochs by the noise-scale rule
 with the LR following the scaling rule, and a resume keeps the grown accumulation.
-Tiny models, random data, CPU, one process.
+On 2 ranks (Lightning's DDP strategy over gloo, each rank a process of tests/_dist joined
+through torchrun's environment, as under `torchrun`), the same global batch gives the
+one-process run's weights and the noise scale of `GradientNoiseScale` fed the ranks'
+gradients. Tiny models, random data, CPU.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import os
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from _dist import run_workers
 
 pl = pytest.importorskip("lightning.pytorch")
 
@@ -48,9 +53,9 @@ def _net():
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 
 
-def _data():
+def _data(ranks=1):
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(MICRO * BATCHES, 8, generator=g)
+    x = torch.randn(MICRO * BATCHES * ranks, 8, generator=g)
     return torch.utils.data.TensorDataset(x, x[:, :1] * 2 + 3.0)
 
 
@@ -60,9 +65,10 @@ def _loss(net, batch):
 
 
 class Module(pl.LightningModule):
-    def __init__(self, net, strategy, total_steps):
+    def __init__(self, net, strategy, total_steps, ranks=1):
         super().__init__()
         self.net, self.strategy, self.total_steps = net, strategy, total_steps
+        self.ranks = ranks  # the data degree the strategy's LR is scaled to
 
     def training_step(self, batch, batch_idx):
         loss = _loss(self.net, batch)
@@ -70,46 +76,77 @@ class Module(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        optimizer = bigbatch.build_optimizer(self, self.strategy, data_degree=1)
+        optimizer = bigbatch.build_optimizer(self, self.strategy, data_degree=self.ranks)
         scheduler = bigbatch.build_scheduler(optimizer, self.strategy, self.total_steps,
-                                             data_degree=1)
+                                             data_degree=self.ranks)
         return {"optimizer": optimizer,
                 "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def _loader():
-    return torch.utils.data.DataLoader(_data(), batch_size=MICRO, shuffle=False)
+def _loader(batch=MICRO, ranks=1):
+    return torch.utils.data.DataLoader(_data(ranks), batch_size=batch, shuffle=False)
 
 
-def _fit(module, callback, epochs=EPOCHS, root=None, ckpt=None, **kw):
-    trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", devices=1,
+def _ddp_order(ranks):
+    """All ranks' micro-batches as one process's, in the order Lightning's DDP gives them:
+    its DistributedSampler shuffles a training set (seed PL_GLOBAL_SEED or 0, reseeded
+    each epoch through set_epoch) and rank r takes rows r, r + ranks, ... of the order;
+    as one replica it yields that order whole."""
+    sampler = torch.utils.data.DistributedSampler(
+        _data(ranks), num_replicas=1, rank=0, shuffle=True,
+        seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
+    return torch.utils.data.DataLoader(_data(ranks), batch_size=MICRO * ranks, sampler=sampler)
+
+
+def _fit(module, callback, epochs=EPOCHS, root=None, ckpt=None, loader=None, **kw):
+    kw.setdefault("devices", 1)
+    trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu",
                          accumulate_grad_batches=K, logger=False,
                          enable_checkpointing=root is not None, default_root_dir=root,
                          enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[callback], **kw)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(module, _loader(), ckpt_path=ckpt)
+        trainer.fit(module, loader if loader is not None else _loader(), ckpt_path=ckpt)
     return trainer
 
 
-def _own_loop(net, strategy):
+def _shares_sq_norm(net, batch, ranks):
+    """The ranks' mean squared norm of their micro-batch gradient: rank r holds rows r,
+    r + ranks, ... of the global micro-batch (Lightning's DistributedSampler, in order)."""
+    x, y = batch
+    params = list(net.parameters())
+    return sum(sum(g.double().square().sum() for g in torch.autograd.grad(
+        _loss(net, (x[r::ranks], y[r::ranks])), params)) for r in range(ranks)) / ranks
+
+
+def _own_loop(net, strategy, ranks=1):
     """Lightning's semantics: every window's losses divided by k (the short last window
-    too, so its gradient is 2/3 of a mean); the noise scale from full windows only."""
+    too, so its gradient is 2/3 of a mean); the noise scale from full windows only.
+    `ranks`: the global micro-batch is `ranks` ranks' micro-batches, the small batch of
+    the noise scale one rank's."""
     model = torch.nn.Module()
     model.net = net  # the parameter names LightningModule gives them
-    optimizer = bigbatch.build_optimizer(model, strategy, data_degree=1)
-    scheduler = bigbatch.build_scheduler(optimizer, strategy, STEPS, data_degree=1)
+    optimizer = bigbatch.build_optimizer(model, strategy, data_degree=ranks)
+    scheduler = bigbatch.build_scheduler(optimizer, strategy, STEPS, data_degree=ranks)
     gns = bigbatch.GradientNoiseScale()
-    batches = list(_loader())
-    for _ in range(EPOCHS):
+    loader = _loader() if ranks == 1 else _ddp_order(ranks)
+    for epoch in range(EPOCHS):
+        if ranks > 1:
+            loader.sampler.set_epoch(epoch)
+        batches = list(loader)
         for start in range(0, BATCHES, K):
             window = batches[start:start + K]
             for i, batch in enumerate(window):
+                if i == 0 and ranks > 1:
+                    small = _shares_sq_norm(net, batch, ranks)
                 (_loss(net, batch) / K).backward()
                 if i == 0:
                     micro = [p.grad * K for p in net.parameters()]
-            if len(window) == K:
+            if len(window) == K and ranks > 1:
+                big = sum(p.grad.double().square().sum() for p in net.parameters())
+                gns.update(small, big, MICRO, MICRO * K * ranks)
+            elif len(window) == K:
                 gns.update_from_grads(micro, net, MICRO, MICRO * K)
             optimizer.step()
             scheduler.step()
@@ -138,6 +175,46 @@ def test_lightning_equals_own_loop(strategy):
     finite = [h["gns/b_simple"] for h in callback.history if math.isfinite(h["gns/b_simple"])]
     assert len(callback.history) == gns.steps and finite  # pl_module.log takes finite values
     assert float(trainer.callback_metrics["gns/b_simple"]) == pytest.approx(finite[-1], rel=1e-6)
+
+
+def _ddp_fit(strategy, state):
+    """One rank of a 2-rank Lightning DDP run (gloo): Lightning reads RANK, LOCAL_RANK,
+    WORLD_SIZE and MASTER_* as torchrun sets them and makes the group itself."""
+    net = _net()
+    net.load_state_dict(state)
+    callback = NoiseScaleCallback()
+    trainer = _fit(Module(net, strategy, STEPS, ranks=2), callback, devices=2, strategy="ddp",
+                   loader=_loader(MICRO, ranks=2))
+    return {"weights": [p.detach().clone() for p in net.parameters()],
+            "steps": trainer.global_step, "world": trainer.world_size,
+            "b_simple": callback.gns.b_simple, "measured": callback.gns.steps}
+
+
+@pytest.mark.parametrize("strategy", [LAMB, LARS], ids=["lamb", "lars"])
+def test_two_ranks_equal_one_process(strategy):
+    """Global batch 24 (accumulation 3) as 2 ranks x micro-batch 4 under Lightning's DDP
+    (its own shuffling DistributedSampler), and as 1 process x micro-batch 8 over the
+    same order: the same weights (1e-6) after the schedule's 6 steps; the noise scale
+    every rank logs is the 2-rank loop's."""
+    two = strategy.replace("global_batch_size = 12", "global_batch_size = 24")
+    one = two.replace("micro_batch_size = 4", "micro_batch_size = 8")
+    assert (bigbatch.Strategy.from_toml(two).resolve(2).peak_lr
+            == bigbatch.Strategy.from_toml(one).resolve(1).peak_lr)
+    torch.manual_seed(0)
+    net = _net()
+    ref, own = copy.deepcopy(net), copy.deepcopy(net)
+    ranks = run_workers(_ddp_fit, 2, args=(two, net.state_dict()), timeout=240)
+    _fit(Module(ref, one, STEPS), NoiseScaleCallback(), loader=_ddp_order(2))
+    gns = _own_loop(own, two, ranks=2)
+    for got in ranks:
+        assert got["world"] == 2 and got["steps"] == STEPS
+        net = _net()
+        with torch.no_grad():
+            for p, w in zip(net.parameters(), got["weights"], strict=True):
+                p.copy_(w)
+        assert _rel(net, ref) <= 1e-6 and _rel(net, own) <= 1e-6
+        assert got["measured"] == gns.steps == 2 * EPOCHS
+        assert got["b_simple"] == pytest.approx(gns.b_simple, rel=1e-6)
 
 
 def test_batch_grows_between_epochs_and_resumes(tmp_path):
