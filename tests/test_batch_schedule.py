@@ -171,7 +171,24 @@ def test_adaptive_grows_micro_then_merge_steps_as_the_noise_scale_grows():
     assert [(c["step"], c["old"], c["new"]) for c in run.batch_size_changes] == [
         (3, 32, 128), (5, 128, 256)]
     assert "noise scale 130 x fraction 1 = 130 >= 128" in run.batch_size_changes[0]["reason"]
-    assert run.clock.schedule.peak_lr == pytest.approx(0.05 * math.sqrt(256 / 64))
+    # batch.scaling (sqrt, base 64) sets the start's peak; each doubling then follows
+    # batch.growth_scaling (linear by default)
+    assert run.clock.schedule.peak_lr == pytest.approx(0.05 * math.sqrt(32 / 64) * 256 / 32)
+
+
+@pytest.mark.parametrize("rule, factor", [("linear", 8.0), ("sqrt", math.sqrt(8.0)),
+                                          ("none", 1.0)])
+def test_adaptive_peak_lr_follows_growth_scaling_from_the_start_batch(rule, factor):
+    s = grow(ceiling=256, growth_scaling=rule)
+    start = s.resolve(1)
+    assert start.global_batch_size == 32
+    assert start.peak_lr == pytest.approx(0.05 * math.sqrt(32 / 64))  # batch.scaling
+    grown = s.batch_plan(256, 32, 8, 1)
+    assert grown.peak_lr == pytest.approx(start.peak_lr * factor)
+    assert f"follows {rule} scaling" in s.overview(1)
+    # seesaw's rule is defined by batch.scaling: growth_scaling does not touch it
+    seesaw = grow("seesaw", ceiling=256, growth_scaling=rule)
+    assert seesaw.batch_plan(256, 32, 8, 1).peak_lr == pytest.approx(0.05 * 2)
 
 
 # ---------------------------------------------------------------- the noise scale

@@ -183,7 +183,9 @@ def _growth_rows(strategy: Any, plan: Any, deg: Degrees) -> list[tuple[str, Any]
             if rule == "adaptive" else "the decay halves the LR")
     name = rule if rule == b.schedule else f"{b.schedule} = {rule}"
     return [("batch schedule", f"{name}: {plan.global_batch_size} -> at most {ceiling}"),
-            ("doubles when", when), ("peak LR on doubling", f"follows {b.scaling} scaling")]
+            ("doubles when", when), ("peak LR on doubling", "follows "
+                                     f"{b.growth_scaling if rule == 'adaptive' else b.scaling}"
+                                     " scaling")]
 
 
 def _optimizer_text(strategy: Any) -> str:

@@ -126,7 +126,8 @@ class BatchConfig(_Section):
     2018), up to global_batch_size, which becomes the ceiling. seesaw: double it wherever
     the decay halves the LR (Meterez et al. 2025). auto (--auto-batch): adaptive for
     momentum SGD and LARS, seesaw for AdamW and LAMB. On each doubling the peak LR follows
-    `scaling`; the schedule counts samples, so the decay ends with the sample budget."""
+    `growth_scaling` (adaptive) or `scaling` (seesaw); the schedule counts samples, so the
+    decay ends with the sample budget."""
     start_batch_size: int | None = _f(None, ge=1)
     """A growing batch's global batch at the start; unset: base_batch_size (the recipe's)
     rounded up to a multiple of the data-parallel degree, at most global_batch_size. Set,
@@ -136,6 +137,12 @@ class BatchConfig(_Section):
     scale. 1: never past the critical batch, where a step takes about twice the fewest
     samples (McCandlish et al. 2018). On MNIST-1D (LARS from 512) 1 kept the accuracy
     that 2 lost (-0.12 points), and 0.5 took 18% more steps (benchmarks/NOTES-auto-batch.md)."""
+    growth_scaling: str = _f("linear", choices=RULES)
+    """adaptive: how the peak LR follows each doubling of the batch, from the start batch's
+    peak (a rule of `scaling`'s names). linear: AdamW on charlm's large corpus ended 0.2%
+    above the fixed small batch where sqrt ended 1.2% and none 3.0% above it, in the same
+    ~44% fewer steps; LARS on MNIST-1D kept its accuracy under either
+    (benchmarks/NOTES-auto-batch.md). seesaw follows `scaling` (its rule is defined by it)."""
     schedule_interval_steps: int = _f(10, ge=1)
     """A growing batch: optimizer steps between two decisions on it."""
     elastic: str = _f("keep", choices=ELASTIC_MODES)

@@ -37,7 +37,7 @@ from bigbatch.config.fields import (
 )
 from bigbatch.config.muon_section import MuonConfig
 from bigbatch.config.overview import strategy_overview
-from bigbatch.config.scaling import scale_lr
+from bigbatch.config.scaling import scale_factor, scale_lr
 from bigbatch.config.schedules import growth_of
 from bigbatch.config.sections import (
     KEYS,
@@ -343,7 +343,8 @@ class Strategy:
 
     def batch_plan(self, global_batch_size: int, micro_batch_size: int, k_steps: int,
                    world_size: int) -> BatchPlan:
-        """The plan of these sizes: scale and peak LR by ``batch.scaling`` (no checks).
+        """The plan of these sizes: scale and peak LR by ``batch.scaling`` (no checks); under
+        the adaptive schedule, from its start batch on by ``batch.growth_scaling``.
 
         Adasum with ``data_parallel.adasum_lr = "worker"`` (Horovod's rule): the LR of one
         worker's batch, since Adasum does not average the workers' contributions."""
@@ -353,8 +354,15 @@ class Strategy:
         lr_scale = scale
         if dp.reduce == "adasum" and dp.adasum_lr == "worker":
             lr_scale = scale / world_size
+        peak = scale_lr(b.base_lr, lr_scale, b.scaling)
+        if b.growth_scaling != b.scaling and growth_of(self) == "adaptive":
+            # from the start batch on, each doubling follows growth_scaling (both rules
+            # are powers of the batch, so this swaps one rule's factor for the other's)
+            start = b.start_batch_size or -(-b.base_batch_size // world_size) * world_size
+            grown = global_batch_size / start
+            peak *= scale_factor(grown, b.growth_scaling) / scale_factor(grown, b.scaling)
         return BatchPlan(int(global_batch_size), int(micro_batch_size), int(k_steps),
-                         int(world_size), scale, scale_lr(b.base_lr, lr_scale, b.scaling))
+                         int(world_size), scale, peak)
 
     def overview(
         self,
