@@ -187,6 +187,55 @@ def test_owners_spread_the_work_and_shards_cut_like_torch_chunk():
         assert sizes[: len(want)] == want and sum(sizes) == size
 
 
+class _Block(nn.Module):
+    """A GPT-2 block as users write one: attention and MLP modules inside it."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.Module()
+        self.attn.c_attn, self.attn.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+
+class _GPT2(nn.Module):
+    """GPT-2 small's parameters (d 768, 12 blocks, vocabulary 50257), blocks nested in a
+    ``transformer`` module, the head untied."""
+
+    def __init__(self, d: int = 768, layers: int = 12, vocab: int = 50257) -> None:
+        super().__init__()
+        self.transformer = nn.Module()
+        self.transformer.wte, self.transformer.wpe = nn.Embedding(vocab, d), nn.Embedding(1024, d)
+        self.transformer.h = nn.ModuleList(_Block(d) for _ in range(layers))
+        self.transformer.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_newton_schulz_work_of_gpt2_small_over_ddp_replicas_is_balanced(ranks):
+    """`Muon.ns_work` as one of `ranks` DDP ranks (torch's fake process group): each
+    replica's Newton-Schulz flops, all matrices counted once, no rank above 1.2x the mean;
+    with spread_ns=False every rank does all of it."""
+    import torch.distributed as dist
+
+    from bigbatch.planner.fake import fake_world
+
+    with torch.device("meta"):
+        model = _GPT2()
+    groups = muon_param_groups(model, weight_decay=0.1)
+    shapes = [p.shape for g in groups if g["use_muon"] for p in g["params"]]
+    assert len(shapes) == 48  # the head and embeddings go to AdamW
+    whole = sum(2 * 5 * ns_cost(s) for s in shapes)
+    with fake_world(0, ranks):
+        work = Muon(groups, replicas=dist.group.WORLD).ns_work()
+        alone = Muon(groups, replicas=dist.group.WORLD, spread_ns=False).ns_work()
+    assert len(work) == ranks and sum(work) == whole and alone == [whole]
+    assert max(work) <= 1.2 * whole / ranks
+    assert max(work) / (whole / ranks) == balance(shapes, ranks)
+    print(f"GPT-2 small over {ranks} DDP ranks: {[round(w / 1e9, 2) for w in work]} GFLOP "
+          f"a step, max/mean {balance(shapes, ranks):.3f}")
+
+
 @pytest.mark.parametrize("body, message", [
     ({"momentum": 1.0}, r"^muon\.momentum must be in \[0, 1\), got 1\.0$"),
     ({"ns_steps": 0}, r"^muon\.ns_steps must be in \[1, 100\], got 0$"),

@@ -150,8 +150,10 @@ def _check(layouts: list[tuple[str, int]], world: int, measured: list[dict]) -> 
 WORLD2 = [("ddp", 1), ("ddp", 2), ("zero1", 1), ("zero2", 2), ("zero3", 1), ("zero3", 2),
           ("tp2", 2), ("pp2", 2), ("pp2", 4),
           # Muon: ZeRO-1's partition of its groups; the two all-to-alls of whole matrices
-          # (ZeRO-2/3, TP), once a step whatever the merge.
-          ("zero1+muon", 1), ("zero3+muon", 2), ("tp2+muon", 1)]
+          # (ZeRO-2/3, TP), once a step whatever the merge; under DDP the all-gather of
+          # each replica's orthogonalised matrices.
+          ("zero1+muon", 1), ("zero3+muon", 2), ("tp2+muon", 1), ("ddp+muon", 1),
+          ("ddp+muon", 2)]
 
 
 def test_plan_equals_two_gloo_ranks():
@@ -160,7 +162,9 @@ def test_plan_equals_two_gloo_ranks():
 
 
 WORLD4 = [("pp2+zero3", 2), ("tp2", 1), ("tp2+zero3", 2),
-          ("tp2+zero3+muon", 1)]  # Muon gathers each 2-D sharded matrix whole
+          ("tp2+zero3+muon", 1),  # Muon gathers each 2-D sharded matrix whole
+          # Muon's owners over tp, shared over the data replicas; DDP's all-gather over 4
+          ("tp2+muon", 1), ("ddp+muon", 2)]
 
 
 @pytest.mark.slow

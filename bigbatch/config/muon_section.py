@@ -34,6 +34,11 @@ class MuonConfig(_Section):
     ns_coefficients: tuple[float, ...] = _f((3.4445, -4.7750, 2.0315))
     """The quintic's (a, b, c): X = a X + (b A + c A^2) X with A = X X^T (Jordan's values,
     which Moonlight keeps: singular values land in about [0.7, 1.2] after 5 steps)."""
+    spread_ns: bool = _f(True)
+    """Split the Newton-Schulz work of replicated matrices between the ranks that hold them
+    (DDP's data ranks, the data replicas of tensor parallelism and of HSDP): each matrix is
+    orthogonalised on one rank, balanced by cost, and one all-gather a step shares the
+    results. false: every replica orthogonalises every matrix itself (no traffic for it)."""
     scale_rule: str = _f("adamw", choices=("adamw", "shape", "none"))
     """adamw: lr x update_rms x sqrt(max(rows, cols)) (Moonlight: AdamW's LR and weight decay
     carry over); shape: lr x sqrt(max(1, rows / cols)) (Jordan); none: lr."""

@@ -30,8 +30,8 @@ def _fast_kwargs(model: nn.Module) -> dict[str, bool]:
 
 
 def build_optimizer(model: nn.Module, strategy: Any, lr: float | None = None,
-                    zero: bool = False, *, data_degree: int | None = None
-                    ) -> torch.optim.Optimizer:
+                    zero: bool = False, *, data_degree: int | None = None,
+                    replicas: Any = None) -> torch.optim.Optimizer:
     """The optimizer the strategy names, over `model`'s parameters, at learning rate `lr`:
     a plain `torch.optim.Optimizer` for any loop or trainer (`bigbatch.build_optimizer`).
 
@@ -44,17 +44,40 @@ def build_optimizer(model: nn.Module, strategy: Any, lr: float | None = None,
     over `data_degree` data-parallel ranks, default $WORLD_SIZE or 1), the LR a
     `bigbatch.ScheduleLR` over `strategy.schedule(...)` multiplies.
     `zero`: the same optimizer inside a `ZeroRedundancyOptimizer` (ZeRO stage 1).
+    `replicas`: the process group whose ranks hold `model` whole and step it on the same
+    gradients (`replica_group`): Muon splits its Newton-Schulz work between them
+    (`bigbatch.Muon`'s ``replicas``); the other optimizers have no such work.
     """
     strategy = as_strategy(strategy)
     if lr is None:
         lr = _plan(strategy, data_degree).peak_lr
     cls, kwargs, exclude = _recipe(model, strategy, lr)
+    if strategy.muon.enable:
+        kwargs["replicas"] = replicas
     groups = _groups(model, strategy, kwargs.get("weight_decay", 0.0), exclude)
     if not zero:
         return cls(groups, **kwargs)
     from bigbatch.parallel.sharding import zero_optimizer
 
     return zero_optimizer(groups, cls, **kwargs)
+
+
+def replica_group(strategy: Any, mesh: Any) -> Any:
+    """The process group whose ranks hold every parameter whole (plain tensors) and step it
+    on the same reduced gradient: DDP's data ranks, for `build_optimizer`'s `replicas`.
+    None where there is none: one data rank; a mesh (FSDP2's and tensor parallelism's
+    DTensors name their replicated dimensions themselves); ZeRO-1 (each rank steps its
+    own partition); local SGD, the sync_switch policy and Adasum on deltas (each rank
+    steps its own gradient). `mesh`: the run's `ParallelMesh`."""
+    from bigbatch.config.comm import adasum_target, local_sgd_section
+
+    deg = mesh.degrees
+    if (not mesh.world.is_distributed or deg.needs_mesh or not deg.dp_enabled
+            or deg.zero1_enabled or local_sgd_section(strategy) is not None
+            or "sync_switch" in strategy.adaptive.policies
+            or adasum_target(strategy) == "delta"):
+        return None
+    return mesh.dp_group
 
 
 def as_strategy(strategy: Any) -> Any:
@@ -203,7 +226,7 @@ def _recipe(model: nn.Module, strategy: Any, lr: float
             lr=lr, momentum=m.momentum, nesterov=m.nesterov, ns_steps=m.ns_steps,
             ns_coefficients=m.ns_coefficients, weight_decay=m.muon_weight_decay,
             scale_rule=m.scale_rule, update_rms=m.update_rms, betas=(o.beta1, o.beta2),
-            eps=o.epsilon,
+            eps=o.epsilon, spread_ns=m.spread_ns,
         ), _patterns(m.exclude_from_weight_decay)
     fast = _fast_kwargs(model)
     exclude = _patterns(getattr(o, "exclude_from_weight_decay", None))

@@ -20,7 +20,7 @@ from bigbatch.engine import adaptive as _adaptive
 from bigbatch.engine import policies as _policies
 from bigbatch.engine.amp import LossScaler, amp_dtype
 from bigbatch.engine.nonfinite import check_policy
-from bigbatch.engine.optimizer import build_optimizer, weight_decays
+from bigbatch.engine.optimizer import build_optimizer, replica_group, weight_decays
 from bigbatch.engine.parallelize import parallelize
 from bigbatch.engine.recompute import check_recompute
 from bigbatch.engine.run import Run
@@ -174,7 +174,8 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
             opt_strategy = dataclasses.replace(
                 strategy, optimizer=dataclasses.replace(strategy.optimizer, **DGC_OPTIMIZER))
     if optimizer is None:
-        optimizer = build_optimizer(model, opt_strategy, lr=schedule.lr(0), zero=deg.zero1_enabled)
+        optimizer = build_optimizer(model, opt_strategy, lr=schedule.lr(0), zero=deg.zero1_enabled,
+                                    replicas=replica_group(strategy, mesh))
     if pipeline is not None:
         check_pipeline_plan(strategy, plan.k_steps)
         pipeline.start(world.device, plan.k_steps, optimizer)

@@ -31,6 +31,9 @@ gradient, so Muon orthogonalises each optimizer step's gradient once.
 Sharded parameters (FSDP2 rows, tensor-parallel slices) are orthogonalised whole: the
 elementwise parts run on local shards and ``NS`` on whole matrices, each on one owner
 rank (`bigbatch.optim.whole_matrices`), so a split model steps as the whole one does.
+Replicated ones (DDP's ranks, given as ``replicas``; a DTensor's replicated mesh
+dimension) split ``NS`` between the replicas, each matrix on one of them, and all-gather
+the results: no rank orthogonalises every matrix unless ``spread_ns=False``.
 
 Kernels, behind one function ``muon(params, grads, bufs, ..., kernel=)``: ``"reference"``
 (one matrix at a time, in the parameter's dtype: the spec) and ``"batched"``
@@ -42,6 +45,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from itertools import zip_longest
+from typing import Any
 
 import torch
 
@@ -50,7 +55,7 @@ from ._norms import local
 from ._params import check_range
 from .layouts import align_group
 from .muon_params import adamw_step, split_muon_groups
-from .whole_matrices import apply_whole
+from .whole_matrices import apply_whole, ns_cost, split_work
 
 __all__ = ["Muon", "muon", "newton_schulz", "update_scale", "NS_COEFFICIENTS", "NS_STEPS",
            "SCALE_RULES"]
@@ -120,7 +125,8 @@ def muon(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
          weight_decay: float = 0.0, scale_rule: str = "adamw", update_rms: float = 0.2,
          groups: Sequence[tuple[dict, int]] | None = None, kernel: str = "reference",
          ns_dtype: torch.dtype | None = torch.bfloat16,
-         found_inf: torch.Tensor | None = None) -> None:
+         found_inf: torch.Tensor | None = None, replicas: Any = None,
+         spread: bool = True) -> None:
     """One Muon step (the module docstring's update) over tensor lists, in place.
 
     ``params`` (plain tensors or DTensors, ``ndim >= 2``), their ``grads`` and momentum
@@ -132,7 +138,9 @@ def muon(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     the batched kernel on CUDA. ``found_inf``: a 0-d overflow flag (GradScaler's); nonzero
     leaves everything unchanged. It is never read to the host: the step is computed and
     each new buffer and weight is chosen by the flag on the device (`torch.where`), so a
-    zero flag gives the same bits as no flag.
+    zero flag gives the same bits as no flag. ``replicas`` and ``spread``: how the
+    Newton-Schulz work is split between ranks that hold the same matrices
+    (`bigbatch.optim.whole_matrices.apply_whole`).
     """
     if kernel not in ("reference", "batched"):
         raise ValueError(f"muon: kernel={kernel!r} should be 'reference' or 'batched'")
@@ -167,7 +175,8 @@ def muon(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     for idx in by_ns.values():
         fn = _orthogonalise(kernel, opts_of[idx[0]], ns_dtype)
         for i, o in zip(idx, apply_whole(fn, [directions[i] for i in idx],
-                                         [params[i] for i in idx]), strict=True):
+                                         [params[i] for i in idx], replicas=replicas,
+                                         spread=spread), strict=True):
             ortho[i] = o
     for w, o, opts in zip(params, ortho, opts_of, strict=True):
         rows = w.shape[0]
@@ -211,6 +220,13 @@ class Muon(EagerStepOptimizer):
         kernel: ``"auto"`` (``"batched"`` on CUDA, ``"reference"`` on CPU, where stacking
             measured slower), ``"reference"`` or ``"batched"``.
         ns_dtype: the Newton-Schulz dtype of the batched kernel on CUDA (bfloat16).
+        replicas: the process group whose ranks hold these parameters whole and step them
+            on the same gradients (DDP's: ``dist.group.WORLD`` in a plain DDP loop; never
+            with local SGD or ZeRO-1's partitions): each matrix is orthogonalised on one
+            of them, balanced by cost, and one all-gather a step shares the results.
+            DTensor parameters name their replicated mesh dimensions themselves.
+        spread_ns: False: every replica orthogonalises every matrix itself and sends
+            nothing for it (neither ``replicas`` nor DTensors' replicated dimensions used).
     """
 
     def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3,
@@ -219,7 +235,8 @@ class Muon(EagerStepOptimizer):
                  weight_decay: float = 0.1, scale_rule: str = "adamw",
                  update_rms: float = 0.2, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, adamw: Sequence[str] = ("embed", "head"),
-                 kernel: str = "auto", ns_dtype: torch.dtype | None = torch.bfloat16):
+                 kernel: str = "auto", ns_dtype: torch.dtype | None = torch.bfloat16,
+                 replicas: Any = None, spread_ns: bool = True):
         if not isinstance(lr, torch.Tensor):
             check_range("Muon", "lr", lr, 0.0)
         check_range("Muon", "momentum", momentum, 0.0, 1.0, high_open=True)
@@ -244,6 +261,24 @@ class Muon(EagerStepOptimizer):
         super().__init__(split_muon_groups(params, tuple(adamw)), defaults)
         self.kernel = kernel
         self.ns_dtype = ns_dtype
+        self.replicas = replicas
+        self.spread_ns = spread_ns
+
+    def ns_work(self) -> list[int]:
+        """Newton-Schulz flops a step (2 per multiply-add, ``ns_steps`` iterations) of each
+        rank the orthogonalisation of this rank's matrices is split over, as `muon` splits
+        it (`bigbatch.optim.whole_matrices.split_work`); max over mean is its balance."""
+        by_ns: dict = {}
+        for group in self.param_groups:
+            if group["use_muon"]:
+                key = (group["ns_steps"], tuple(group["ns_coefficients"]), group["ns_eps"])
+                by_ns.setdefault(key, []).extend(group["params"])
+        total: list[int] = []
+        for (steps, _, _), params in by_ns.items():
+            loads = split_work(params, lambda shape, n=steps: 2 * n * ns_cost(shape),
+                               self.replicas, self.spread_ns)
+            total = [a + b for a, b in zip_longest(total, loads, fillvalue=0)]
+        return total
 
     def _buffer(self, w: torch.Tensor) -> torch.Tensor:
         state = self.state[w]
@@ -282,5 +317,6 @@ class Muon(EagerStepOptimizer):
             if kernel == "auto":  # one product per shape pays on a GPU, not on CPU threads
                 kernel = "batched" if local(matrices[0]).device.type == "cuda" else "reference"
             muon(matrices, [p.grad for p in matrices], [self._buffer(p) for p in matrices],
-                 groups=runs, kernel=kernel, ns_dtype=self.ns_dtype, found_inf=found_inf)
+                 groups=runs, kernel=kernel, ns_dtype=self.ns_dtype, found_inf=found_inf,
+                 replicas=self.replicas, spread=self.spread_ns)
 

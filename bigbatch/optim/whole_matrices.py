@@ -1,39 +1,56 @@
-"""A function of whole matrices applied to sharded ones: each rank keeps its own piece.
+"""A function of whole matrices applied to sharded or replicated ones: each rank keeps its
+own piece, and each whole matrix is computed once.
 
 Muon's update of a matrix is a function of the *whole* matrix (its Newton-Schulz
 orthogonalisation), as LAMB's trust ratio is a function of the whole tensor's norm.
 Under FSDP2 (ZeRO-2/3: rows sharded on dim 0) and tensor parallelism (columns or rows
-sliced) each rank holds a piece. `apply_whole(fn, pieces, owners)` returns, for each
-piece, this rank's piece of ``fn(whole matrix)``:
+sliced) each rank holds a piece; under data parallelism every rank holds a copy.
+`apply_whole(fn, pieces, owners)` returns, for each piece, this rank's piece of
+``fn(whole matrix)``. How, by the parameter's layout (mesh dimensions of one rank count
+as neither sharded nor replicated):
 
 - plain tensors, and DTensors sharded on no mesh dimension: ``fn`` on the local tensor;
 - DTensors sharded on one mesh dimension by a plain ``Shard(d)`` (FSDP2 alone, tensor
-  parallelism alone): every matrix gets an *owner* rank of that dimension, chosen so that
-  the work (``cost``) is spread: largest first to the least loaded rank (no rank above
-  about 1.2x the mean once there are a few matrices per rank; `balance` reports it).
-  One ``all_to_all_single`` moves every rank's pieces to their owners, each owner
-  applies ``fn`` to whole matrices only, and one more sends each rank its piece back:
-  two collectives per step for all matrices of that dimension, each rank sending about
-  its own shards' size. Replicated mesh dimensions (HSDP's replicas) repeat the work;
+  parallelism alone or with data replicas): every matrix gets an *owner* rank of that
+  dimension. One ``all_to_all_single`` moves every rank's pieces to their owners, each
+  owner applies ``fn`` to whole matrices only, and one more sends each rank its piece
+  back: two collectives per step for all matrices of that dimension, each rank sending
+  about its own shards' size;
 - anything else (a 2-D mesh with both dimensions sharded: tensor parallel x ZeRO-3,
   FSDP2's ``_StridedShard``): ``full_tensor()`` (torch's all-gather), ``fn`` on every
-  rank, and this rank's piece cut out locally (``distribute_tensor`` without a source
-  rank sends nothing).
+  rank of the mesh's sharded dimensions, and this rank's piece cut out locally
+  (``distribute_tensor`` without a source rank sends nothing).
 
-Every collective is torch's (c10d over the DTensor's device-mesh groups); nothing here
-reads a tensor to the host, so a CUDA step does not synchronise.
+Replicas split the work instead of repeating it: ranks that hold the same pieces and
+step them on the same gradients (DDP's data ranks, passed as ``replicas``; a DTensor's
+replicated mesh dimension, the largest if several: HSDP's and data x tensor parallel's
+``dp_replicate``). Each matrix is computed on one replica only (with an owner above: one
+(replica, owner) pair among replicas x owner ranks), and one all-gather over the
+replicas (``all_gather_single``; ``all_gather_into_tensor`` before torch 2.13) hands
+every replica every result: each replica's results flattened into one bucket, padded to
+the largest bucket. ``spread=False`` repeats the work on every replica instead and sends
+nothing for it.
+
+Owners and replicas are chosen so that the work (``cost``) is spread: largest first to
+the least loaded rank (no rank above about 1.2x the mean once there are a few matrices
+per rank; `balance` and `split_work` report it), the same answer on every rank.
+
+Every collective is torch's (c10d over the process group or the DTensor's device-mesh
+groups); nothing here reads a tensor to the host, so a CUDA step does not synchronise.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import zip_longest
 
 import torch
 import torch.distributed as dist
 
 from ._norms import is_dtensor, local
 
-__all__ = ["apply_whole", "assign_owners", "balance", "ns_cost", "shard_bounds"]
+__all__ = ["apply_whole", "assign_owners", "balance", "ns_cost", "shard_bounds",
+           "split_work"]
 
 WholeFn = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
@@ -79,52 +96,119 @@ def shard_bounds(size: int, ranks: int, rank: int) -> tuple[int, int]:
     return start, min(start + chunk, size)
 
 
-def _single_shard(t: torch.Tensor) -> tuple[int, int] | None:
-    """(mesh dim, tensor dim) when ``t`` is sharded by a plain ``Shard`` on exactly one
-    mesh dimension and replicated on the rest; None otherwise."""
+def _layout(w: torch.Tensor, replicas, spread: bool) -> tuple[str, object, int, object]:
+    """(how, shard group, tensor dim, replica group) of the parameter ``w`` (module
+    docstring): how is ``"whole"``, ``"owner"`` (the shard group and the sharded tensor
+    dim given) or ``"gather"``; the replica group is None where the work is not split."""
+    if not is_dtensor(w):
+        return "whole", None, -1, replicas if spread else None
     from torch.distributed.tensor import Shard
 
-    sharded = [(i, p) for i, p in enumerate(t.placements) if not p.is_replicate()]
-    if len(sharded) != 1 or type(sharded[0][1]) is not Shard:
-        return None
-    mesh_dim, placement = sharded[0]
-    return mesh_dim, placement.dim
+    mesh = w.device_mesh
+    live = [(d, p) for d, p in enumerate(w.placements) if mesh.size(d) > 1]
+    copies = [d for d, p in live if p.is_replicate()]
+    group = mesh.get_group(max(copies, key=mesh.size)) if spread and copies else None
+    sharded = [(d, p) for d, p in live if not p.is_replicate()]
+    if not sharded:
+        return "whole", None, -1, group
+    if len(sharded) == 1 and type(sharded[0][1]) is Shard:
+        return "owner", mesh.get_group(sharded[0][0]), sharded[0][1].dim, group
+    return "gather", None, -1, group
+
+
+def _work(owners: Sequence[torch.Tensor], pieces: Sequence[torch.Tensor], replicas,
+          spread: bool) -> dict:
+    """The parameters by how their whole matrices are made: {(how, shard group, replica
+    group, the pieces' dtype and device): [(index, sharded tensor dim)]}."""
+    work: dict = {}
+    for i, (w, piece) in enumerate(zip(owners, pieces, strict=True)):
+        how, shard, dim, copies = _layout(w, replicas, spread)
+        work.setdefault((how, shard, copies, piece.dtype, piece.device), []).append((i, dim))
+    return work
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _assign(how: str, shard, copies, costs: list[int]) -> tuple[list[int], list[int]]:
+    """`assign_owners` over replicas x owner ranks (replica ``o // ranks``, owner rank
+    ``o % ranks`` of each matrix's ``o``)."""
+    return assign_owners(costs, _size(copies) * (_size(shard) if how == "owner" else 1))
+
+
+def split_work(owners: Sequence[torch.Tensor], cost: Callable[[Sequence[int]], int] = ns_cost,
+               replicas=None, spread: bool = True) -> list[int]:
+    """``cost`` of the whole matrices each rank computes in `apply_whole` for parameters laid
+    out like ``owners``, one entry per rank the work is split over (replicas x owner ranks;
+    where layouts with different splits mix, their loads are added rank by rank): its
+    max over its mean is the balance."""
+    total: list[int] = []
+    work = _work(owners, [local(w) for w in owners], replicas, spread)
+    for (how, shard, copies, _, _), items in work.items():
+        _, loads = _assign(how, shard, copies, [cost(owners[i].shape) for i, _ in items])
+        total = [a + b for a, b in zip_longest(total, loads, fillvalue=0)]
+    return total
 
 
 def apply_whole(fn: WholeFn, pieces: Sequence[torch.Tensor], owners: Sequence[torch.Tensor],
-                cost: Callable[[Sequence[int]], int] = ns_cost) -> list[torch.Tensor]:
+                cost: Callable[[Sequence[int]], int] = ns_cost, replicas=None,
+                spread: bool = True) -> list[torch.Tensor]:
     """This rank's piece of ``fn([whole])`` for each local ``pieces[i]``, laid out like the
     parameter ``owners[i]`` (see the module docstring). ``fn`` takes a list of whole
     tensors and returns as many of the same shapes; it is called once per kind of layout
-    with every matrix this rank computes (so it can batch them)."""
+    with every matrix this rank computes (so it can batch them). ``replicas``: the process
+    group whose ranks hold the same plain tensors and inputs (DDP's), over which their
+    work is split; ``spread=False``: every replica computes every matrix itself (neither
+    ``replicas`` nor a DTensor's replicated mesh dimensions are used)."""
     out: list = [None] * len(pieces)
-    whole_here: list[int] = []  # the local piece is the whole matrix
-    exchanged: dict = {}  # (group, dtype, device) -> [(i, tensor dim)]
-    gathered: list[int] = []
-    for i, w in enumerate(owners):
-        if not is_dtensor(w) or all(p.is_replicate() for p in w.placements):
-            whole_here.append(i)
-            continue
-        single = _single_shard(w)
-        if single is None:
-            gathered.append(i)
-            continue
-        mesh_dim, dim = single
-        key = (w.device_mesh.get_group(mesh_dim), pieces[i].dtype, pieces[i].device)
-        exchanged.setdefault(key, []).append((i, dim))
-    if whole_here:
-        for i, r in zip(whole_here, fn([pieces[i] for i in whole_here]), strict=True):
-            out[i] = r
-    for (group, _, _), items in exchanged.items():
-        for (i, _), r in zip(items, _by_owner(fn, group, [(pieces[i], owners[i].shape, d)
-                                                           for i, d in items], cost),
-                             strict=True):
-            out[i] = r
-    if gathered:
-        out_pieces = _gather_all(fn, [pieces[i] for i in gathered], [owners[i] for i in gathered])
-        for i, r in zip(gathered, out_pieces, strict=True):
+    for (how, shard, copies, _, _), items in _work(owners, pieces, replicas, spread).items():
+        owner, _ = _assign(how, shard, copies, [cost(owners[i].shape) for i, _ in items])
+        ranks = _size(shard) if how == "owner" else 1
+        me = dist.get_rank(copies) if copies is not None else 0
+        mine = [k for k, o in enumerate(owner) if o // ranks == me]
+        chosen = [items[k] for k in mine]
+        if not chosen:
+            made = []
+        elif how == "whole":
+            made = fn([pieces[i] for i, _ in chosen])
+        elif how == "owner":
+            made = _by_owner(fn, shard, [(pieces[i], owners[i].shape, d) for i, d in chosen],
+                             [owner[k] % ranks for k in mine])
+        else:
+            made = _gather_all(fn, [pieces[i] for i, _ in chosen], [owners[i] for i, _ in chosen])
+        results: list = [None] * len(items)
+        for k, r in zip(mine, made, strict=True):
+            results[k] = r
+        if _size(copies) > 1:
+            _share(copies, [o // ranks for o in owner], results, [pieces[i] for i, _ in items])
+        for (i, _), r in zip(items, results, strict=True):
             out[i] = r
     return out
+
+
+def _share(group, replica_of: list[int], results: list, like: list[torch.Tensor]) -> None:
+    """Fill ``results`` (this replica's made, the rest None) with every replica's: one
+    all-gather of each replica's results, flattened into one bucket padded to the
+    largest; ``like``: tensors of the results' shapes, dtype and device."""
+    copies, me = dist.get_world_size(group), dist.get_rank(group)
+    of = [[k for k, r in enumerate(replica_of) if r == c] for c in range(copies)]
+    sizes = [sum(like[k].numel() for k in ks) for ks in of]
+    width = max(sizes)
+    first = like[0]
+    gathered = first.new_empty(copies * width)
+    if width:
+        send = torch.cat([results[k].reshape(-1) for k in of[me]]
+                         + [first.new_zeros(width - sizes[me])])
+        # torch 2.13's name for what 2.11 calls all_gather_into_tensor.
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(gathered, send, group=group)
+    for c in range(copies):
+        if c == me:
+            continue
+        bucket = gathered.narrow(0, c * width, sizes[c])
+        for k, flat in zip(of[c], bucket.split([like[k].numel() for k in of[c]]), strict=True):
+            results[k] = flat.view(like[k].shape)
 
 
 def _piece_shape(shape: Sequence[int], dim: int, ranks: int, rank: int) -> list[int]:
@@ -133,10 +217,10 @@ def _piece_shape(shape: Sequence[int], dim: int, ranks: int, rank: int) -> list[
 
 
 def _by_owner(fn: WholeFn, group, items: list[tuple[torch.Tensor, Sequence[int], int]],
-              cost) -> list[torch.Tensor]:
-    """Pieces to their owners, ``fn`` there, pieces back: two ``all_to_all_single``."""
+              owner: list[int]) -> list[torch.Tensor]:
+    """Pieces to their ``owner`` ranks of ``group``, ``fn`` there, pieces back: two
+    ``all_to_all_single``."""
     ranks, me = dist.get_world_size(group), dist.get_rank(group)
-    owner, _ = assign_owners([cost(shape) for _, shape, _ in items], ranks)
     mine = [j for j in range(len(items)) if owner[j] == me]
 
     def size(j: int, rank: int) -> int:

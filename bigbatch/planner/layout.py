@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from bigbatch.config.parallelism import Degrees
-from bigbatch.engine.optimizer import build_optimizer
+from bigbatch.engine.optimizer import build_optimizer, replica_group
 from bigbatch.engine.recompute import apply_recompute
 from bigbatch.parallel.mesh import ParallelMesh
 from bigbatch.parallel.world import World
@@ -131,5 +131,6 @@ def lay_out(model: nn.Module, strategy: Any, deg: Degrees, world: World, *, tp_p
                    param_dtype=torch.bfloat16 if amp.enable and amp.dtype == "bfloat16"
                    else None, units=units, root=one_root)
         out.fsdp_groups = unit_params(units, model if one_root else None)
-    out.optimizer = build_optimizer(model, strategy, lr=1e-3, zero=deg.zero1_enabled)
+    out.optimizer = build_optimizer(model, strategy, lr=1e-3, zero=deg.zero1_enabled,
+                                    replicas=replica_group(strategy, mesh))
     return out
