@@ -7,12 +7,17 @@ checkpoint (`bigbatch.adaptive.autoscale.AutoscaleSegment`), and the next segmen
 from that checkpoint at the size the rule chose (`Autoscaler`: grow by
 ``--autoscale-step`` while the marginal scaling efficiency stays at or above
 ``--autoscale-threshold`` and goodput improves; otherwise go back to the best size
-measured and stay). A resume at another size is exact and follows ``batch.elastic``
+measured and stay; with ``--autoscale-rule model``, once three sizes are measured, Pollux's
+throughput model fitted to them predicts every other size, the job jumps to the predicted
+best when it beats the best measured by more than ``--autoscale-margin`` and never measures
+the sizes predicted to lose). A resume at another size is exact and follows ``batch.elastic``
 (keep: the same global batch, re-split; scale: the batch grows with the workers). A
 segment that loses a worker continues one size smaller from its last checkpoint.
 
 Every decision is a ``kind = "autoscale"`` line of ``metrics.jsonl`` with the numbers it
-was made on (samples/s by size, the marginal efficiency), a line on stderr, and an event in
+was made on (samples/s by size, the marginal efficiency; under the model rule the
+predicted samples/s and goodput by size and the prediction for the size just measured), a
+line on stderr, and an event in
 `bigbatch monitor`; ``OUT/autoscale.json`` holds the whole history. Multi-node (`--nnodes`)
 is not driven here: torchrun's own ``--nnodes MIN:MAX`` stays the way to change machines.
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -32,7 +38,7 @@ from bigbatch.errors import ConfigError
 __all__ = ["AUTOSCALE_FILE", "add_autoscale_arguments", "parse_range", "run_autoscaled"]
 
 AUTOSCALE_FILE = "autoscale.json"
-_STEPS, _THRESHOLD, _STEP, _SKIP = 20, 0.5, 1, 2
+_STEPS, _THRESHOLD, _STEP, _SKIP, _MARGIN = 20, 0.5, 1, 2, 0.05
 
 
 def parse_range(text: str) -> tuple[int, int] | None:
@@ -73,6 +79,14 @@ def add_autoscale_arguments(group: Any) -> None:
                        f"must keep, in [0, 1] (default {_THRESHOLD})")
     group.add_argument("--autoscale-step", type=_count, metavar="K",
                        help=f"with --nproc MIN:MAX: workers added per growth (default {_STEP})")
+    group.add_argument("--autoscale-rule", choices=("step", "model"), default="step",
+                       help="with --nproc MIN:MAX: step (default): measure each size in turn; "
+                       "model: once three sizes are measured, predict the others with Pollux's "
+                       "throughput model, jump to the predicted best and skip sizes predicted "
+                       "to lose (every size it settles on is measured)")
+    group.add_argument("--autoscale-margin", type=_fraction, metavar="F",
+                       help="with --autoscale-rule model: the predicted goodput gain over the "
+                       f"best measured size that a jump needs, in [0, 1] (default {_MARGIN})")
 
 
 def _segment_argv(argv: list[str], resume: bool) -> list[str]:
@@ -115,7 +129,8 @@ def run_autoscaled(args: argparse.Namespace, argv: list[str], lo: int, hi: int,
                           "--rdzv-endpoint give --nproc N and torchrun's --nnodes MIN:MAX")
     steps = args.autoscale_steps or _STEPS
     threshold = _THRESHOLD if args.autoscale_threshold is None else args.autoscale_threshold
-    rule = Autoscaler(lo, hi, step=args.autoscale_step or _STEP, threshold=threshold)
+    margin = _MARGIN if args.autoscale_margin is None else args.autoscale_margin
+    rule: Autoscaler | None = None  # made with the first segment's strategy
     history: list[dict[str, Any]] = []
     n, resume, settled, losses = lo, bool(args.resume), False, 0
     first = True
@@ -134,6 +149,11 @@ def run_autoscaled(args: argparse.Namespace, argv: list[str], lo: int, hi: int,
                 decision, step = rule.cannot_start(n, str(e)), _last_step(metrics)
                 n, settled = _decided(decision, step, history, metrics, out)
                 continue
+            if rule is None:
+                rule = Autoscaler(lo, hi, step=args.autoscale_step or _STEP,
+                                  threshold=threshold, rule=args.autoscale_rule, margin=margin,
+                                  plan=lambda n, last, s=strategy: _plan_at(s, n, last),
+                                  base_batch_size=strategy.batch.base_batch_size)
             out = Path(config.out)
             metrics = out / METRICS_FILE
             start = _last_step(metrics) if resume else 0
@@ -149,8 +169,11 @@ def run_autoscaled(args: argparse.Namespace, argv: list[str], lo: int, hi: int,
             if status == 0 and found:
                 r = found[-1]
                 decision = rule.observe(Measurement(
-                    int(r["world_size"]), float(r["samples_per_s"]), int(r["step"]),
-                    int(r.get("global_batch_size", 0)), float(r.get("efficiency", 1.0))))
+                    int(r["world_size"]), _number(r.get("samples_per_s")), int(r["step"]),
+                    int(r.get("global_batch_size", 0)), float(r.get("efficiency", 1.0)),
+                    micro_batch_size=int(r.get("micro_batch_size", 0)),
+                    k_steps=int(r.get("k_steps", 1)),
+                    noise_scale=_number(r.get("noise_scale"))))
                 step = int(r["step"])
             elif status == 0:
                 _summary(out, history)
@@ -172,6 +195,25 @@ def run_autoscaled(args: argparse.Namespace, argv: list[str], lo: int, hi: int,
                 os.environ[k] = v
 
 
+def _number(value: Any) -> float:
+    """A record's number; NaN where metrics.jsonl wrote null (a NaN) or nothing."""
+    return float(value) if isinstance(value, int | float) else math.nan
+
+
+def _plan_at(strategy: Any, n: int, last: Any) -> tuple[int, int] | None:
+    """The (micro, k_steps) a segment at `n` workers resumes with after the segment that
+    measured `last` (`bigbatch.config.elastic.resume_plan`); None when it cannot."""
+    from bigbatch.config.elastic import BatchState, configured_sizes, resume_plan
+
+    saved = BatchState(last.global_batch_size, last.micro_batch_size, last.k_steps,
+                       last.world_size, last.global_batch_size, configured_sizes(strategy))
+    try:
+        plan = resume_plan(strategy, n, saved)
+    except ConfigError:
+        return None
+    return plan.micro_batch_size, plan.k_steps
+
+
 def _decided(decision: Any, step: int, history: list[dict[str, Any]], metrics: Path,
              out: Path) -> tuple[int, bool]:
     """Record `decision` (metrics.jsonl, autoscale.json, one stderr line); the size it
@@ -179,9 +221,14 @@ def _decided(decision: Any, step: int, history: list[dict[str, Any]], metrics: P
     rec = decision.record(step)
     history.append(rec)
     _append(metrics, rec)
-    print(f"bigbatch train: autoscale at step {step}: {decision.reason}; measured "
-          + ", ".join(f"{k} worker(s) {v:.4g} samples/s" for k, v in decision.measured.items()),
-          file=sys.stderr, flush=True)
+    line = (f"bigbatch train: autoscale at step {step}: {decision.reason}; measured "
+            + ", ".join(f"{k} worker(s) {v:.4g} samples/s"
+                        for k, v in decision.measured.items()))
+    if decision.predicted:
+        line += "; predicted " + ", ".join(
+            f"{k} worker(s) {v:.4g} samples/s (goodput {decision.predicted_goodput[k]:.4g})"
+            for k, v in decision.predicted.items())
+    print(line, file=sys.stderr, flush=True)
     _write_history(out, history)
     return decision.new, decision.settled
 
