@@ -116,8 +116,8 @@ REFUSED = [
     ("micro_batch", [S, "batch.micro_batch_size=32"], "batch.micro_batch_size None -> 32"),
     ("gradient_merge", [S, "gradient_merge.k_steps=2"], "gradient_merge.enable False -> True"),
     ("amp", [S, "amp.dtype=bfloat16"], "amp.enable False -> True"),
-    ("stateful_reduce", [S, "data_parallel.reduce=powersgd"],
-     "data_parallel.reduce 'mean' -> 'powersgd'"),  # error feedback: see train/resume.py
+    ("stateful_reduce", [S, "lars.enable=false", S, "data_parallel.reduce=dgc"],
+     "data_parallel.reduce 'mean' -> 'dgc'"),  # DGC's hook owns momentum: train/resume.py
     ("decay", [S, "batch.decay=none"], "batch.decay 'cosine' -> 'none'"),
     ("many", [S, "batch.base_lr=0.2", S, "batch.decay=none", S, "optimizer.momentum=0.5",
               S, "lars.lars_coeff=0.02", S, "lars.epsilon=0.1"], "and 1 more"),

@@ -28,14 +28,21 @@ def _diff(before: dict, after: dict) -> list[str]:
     ({"adaptive_localsgd": {"init_k_steps": 2}}, {}),
     ({}, {"adaptive": {"noise_scale": True}}),
     ({}, {"adaptive": {"policies": ["straggler"]}}),
+    # PowerSGD keeps only its step count and random state: in or out through a checkpoint
+    ({}, {"data_parallel": {"reduce": "powersgd", "start_powersgd_iter": 2}}),
+    ({"data_parallel": {"reduce": "powersgd"}}, {"data_parallel": {"reduce": "mean"}}),
+    ({"data_parallel": {"reduce": "powersgd"}}, {"data_parallel": {"reduce": "adasum"}}),
+    ({"data_parallel": {"reduce": "powersgd"}},
+     {"data_parallel": {"reduce": "powersgd", "powersgd_rank": 4}}),
 ])
 def test_switches_a_resume_accepts(before, after):
     assert _diff(before, after) == []
 
 
 @pytest.mark.parametrize("before,after,key", [
-    ({}, {"data_parallel": {"reduce": "powersgd"}}, "data_parallel.reduce"),
-    ({"data_parallel": {"reduce": "powersgd"}}, {"data_parallel": {"reduce": "adasum"}},
+    # DGC owns momentum and weight decay in its hook: the optimizer state cannot follow
+    ({}, {"data_parallel": {"reduce": "dgc"}}, "data_parallel.reduce"),
+    ({"data_parallel": {"reduce": "dgc"}}, {"data_parallel": {"reduce": "powersgd"}},
      "data_parallel.reduce"),
     ({}, {"adaptive": {"gns_gradient": "raw", "noise_scale": True}}, "adaptive.gns_gradient"),
     ({}, {"batch": {**BASE["batch"], "base_lr": 0.2}}, "batch.base_lr"),

@@ -1,6 +1,8 @@
 """Policies as a user writes them, loaded by name ("tests.user_policies:Class") in the
 tests of `bigbatch.Policy` (also inside torchrun's workers: this module imports only bigbatch)."""
 
+import os
+
 import bigbatch
 
 
@@ -44,3 +46,18 @@ class StopAt3(bigbatch.Policy):
     def after_step(self, run, stats):
         if run.step == 3:
             run.policies.request_stop("stop: asked by the test at step 3", 75)
+
+
+class CompressAt6(bigbatch.Policy):
+    """Switches the run to PowerSGD at step 6 through a checkpoint and a relaunch
+    (`request_relaunch`); with BIGBATCH_TEST_STOP_ONLY set it only stops there, for the
+    same switch made by hand."""
+
+    def after_step(self, run, stats):
+        if run.step != 6 or run.strategy.data_parallel.reduce == "powersgd":
+            return
+        if os.environ.get("BIGBATCH_TEST_STOP_ONLY"):
+            run.policies.request_stop("stopped at step 6 by the test", 0)
+        else:
+            run.policies.request_relaunch({"data_parallel.reduce": "powersgd"},
+                                          "compress: asked by the test at step 6")

@@ -29,6 +29,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,7 @@ def run_autoscaled(args: argparse.Namespace, argv: list[str], lo: int, hi: int,
     docstring). `resolve(args)` makes (config, strategy); `launch(args, argv, config,
     strategy)` runs one torchrun job of ``args.nproc`` workers and returns its status."""
     from bigbatch.adaptive.autoscale import SKIP_ENV, UNTIL_ENV, Autoscaler, Measurement
+    from bigbatch.cli.relaunch import relaunch_args, relaunch_requested
     from bigbatch.train.progress import METRICS_FILE
 
     if args.nnodes is not None or args.rdzv_endpoint is not None:
@@ -162,10 +164,16 @@ def run_autoscaled(args: argparse.Namespace, argv: list[str], lo: int, hi: int,
                 os.environ.pop(UNTIL_ENV, None)
             else:
                 os.environ[UNTIL_ENV], os.environ[SKIP_ENV] = str(until), str(_SKIP)
+            started = time.time()
             status = launch(args, _segment_argv(argv, resume), config, strategy)
             first, resume = False, True
             found = [r for r in _read_lines(metrics) if r.get("kind") == "autoscale_measure"
                      and until is not None and r.get("step") == until]
+            asked = relaunch_requested(out, started) if status == 0 else None
+            if asked is not None:  # a policy's change through the checkpoint: same size
+                argv = relaunch_args(args, argv, *asked)
+                if not found:
+                    continue
             if status == 0 and found:
                 r = found[-1]
                 decision = rule.observe(Measurement(

@@ -390,8 +390,12 @@ def run_train_command(args: argparse.Namespace, argv: list[str], config: Any,
     launching = not worker and (
         args.nproc > 1 or args.nnodes is not None or args.rdzv_endpoint is not None)
     with abort_on_signals():  # until training starts a signal only has to end the process
-        if launching:
+        if launching and _multi_node(args):  # every node's launcher would have to agree
             return _launch(args, argv, config, strategy)
+        if launching:
+            from bigbatch.cli.relaunch import run_relaunching
+
+            return run_relaunching(args, argv, config, strategy, resolve, _launch)
         from bigbatch.parallel.world import World
 
         world = World.from_env() if worker else World()

@@ -3,8 +3,10 @@ one-line errors that suggest the closest key."""
 
 import dataclasses
 import difflib
+import json
 import math
 import os
+import re
 import tomllib
 import types
 from collections.abc import Mapping
@@ -39,6 +41,20 @@ def parse_literal(raw: str) -> Any:
         return tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         return raw
+
+
+def format_literal(value: Any) -> str:
+    """`value` (str, bool, int, float or a list of them) as `parse_literal` reads it back:
+    a plain word bare, any other string (and every string in a list) quoted."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(json.dumps(v) if isinstance(v, str) else format_literal(v)
+                               for v in value) + "]"
+    if isinstance(value, str):
+        plain = re.fullmatch(r"[A-Za-z_][\w.-]*", value) and parse_literal(value) == value
+        return value if plain else json.dumps(value)
+    return repr(value)
 
 
 def _short(value: Any) -> str:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from bigbatch.adaptive.doubling import NoiseScaleDoubler
 from bigbatch.adaptive.policy import Policy
+from bigbatch.config.fields import format_literal
 from bigbatch.config.schedules import growth_of
 from bigbatch.engine.adaptive import MAX_BATCH_FACTOR
 from bigbatch.errors import ConfigError, PolicyError, PolicyStop
@@ -164,6 +165,12 @@ def load_policy(spec: str, strategy: Any) -> Policy:
     return policy
 
 
+def _literal(value: Any) -> bool:
+    if isinstance(value, list | tuple):
+        return all(_literal(v) and not isinstance(v, list | tuple) for v in value)
+    return isinstance(value, str | bool | int | float)
+
+
 def _one_line(e: BaseException) -> str:
     text = (str(e).strip().splitlines() or [""])[0]
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
@@ -191,6 +198,9 @@ class Policies:
         """``(message, exit status)`` once a policy asked to end the run."""
         self.checkpoint_requested = False
         """A policy asked for a checkpoint now (the loop clears it when written)."""
+        self.relaunch: dict[str, Any] | None = None
+        """Strategy keys (``"section.key"`` -> value) a policy asked the run to resume with
+        (`request_relaunch`)."""
         self._records: list[dict[str, Any]] = []
         self._began = self._ended = False
         self._epoch_begun = self._epoch_ended = 0
@@ -217,6 +227,26 @@ class Policies:
         """End the run after a checkpoint; the CLI prints `message` and exits with `status`."""
         if self.stop is None:
             self.stop = (str(message), int(status))
+
+    def request_relaunch(self, changes: dict[str, Any], message: str) -> None:
+        """End the run after a checkpoint and have it resumed from that checkpoint with the
+        strategy keys `changes` set (``{"data_parallel.reduce": "powersgd"}``): a change a
+        resume accepts (`bigbatch.train.resume`) but the running job cannot make in place.
+        `bigbatch train --nproc N` (N >= 2) and ``MIN:MAX`` relaunch at once, as
+        ``--resume --set KEY=VALUE``; anything else (one process, a torchrun of your own)
+        just stops, and the stop's line gives those flags. Values are TOML-literal types
+        (str, bool, int, float, lists of them)."""
+        if not changes or not all(isinstance(k, str) and k.count(".") == 1 for k in changes):
+            raise PolicyError(f"request_relaunch({changes!r}): expected "
+                              '{"section.key": value, ...} with at least one key')
+        for key, value in changes.items():
+            if not _literal(value):
+                raise PolicyError(f"request_relaunch: {key} = {value!r} is not a TOML literal "
+                                  "(str, bool, int, float or a list of them)")
+        if self.stop is None:
+            self.relaunch = dict(changes)
+            sets = " ".join(f"--set {k}={format_literal(v)}" for k, v in changes.items())
+            self.request_stop(f"{message}; resume with --resume {sets}", 0)
 
     def record(self, entry: dict[str, Any]) -> None:
         """A line for `metrics.jsonl` (``kind`` and ``step`` first; rank 0 writes it)."""

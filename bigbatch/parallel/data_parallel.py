@@ -42,15 +42,20 @@ class CommState:
 
     def state_dict(self) -> dict[str, Any] | None:
         """This worker's memory of the inner hook (error feedback, local SGD's counters), or
-        None when it keeps none."""
+        None when it keeps none; ``kind`` names the hook state it belongs to."""
         inner = self.inner_state
         if hasattr(inner, "state_dict"):
-            return {"inner": inner.state_dict()}
+            return {"inner": inner.state_dict(), "kind": type(inner).__name__}
         from bigbatch.parallel.compression import hook_state_dict
 
-        return hook_state_dict(inner)
+        saved = hook_state_dict(inner)
+        return None if saved is None else {**saved, "kind": type(inner).__name__}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict`; the memory of another reduce (a resume that switched it)
+        is left out and the hook starts afresh, as on another world size."""
+        if state.get("kind", type(self.inner_state).__name__) != type(self.inner_state).__name__:
+            return
         if "inner" in state:
             self.inner_state.load_state_dict(state["inner"])
         else:

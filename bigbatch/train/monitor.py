@@ -41,6 +41,8 @@ class RunView:
     """The worker-count decisions of `--nproc MIN:MAX` (`bigbatch.cli.autoscale`)."""
     sync_switches: list[dict[str, Any]] = field(default_factory=list)
     """All-reduce <-> local SGD switches of the ``sync_switch`` policy."""
+    relaunches: list[dict[str, Any]] = field(default_factory=list)
+    """Resumes a policy asked for with other strategy keys (`bigbatch.cli.relaunch`)."""
     summary: dict[str, Any] | None = None
     stopped: dict[str, Any] | None = None
     updated: float | None = None
@@ -112,6 +114,7 @@ _VALID = {  # what each kind the view shows needs besides its step
     "batch_size": lambda r: "old" in r and "new" in r,
     "autoscale": lambda r: "old" in r and "new" in r,
     "sync_switch": lambda r: "old" in r and "new" in r,
+    "relaunch": lambda r: isinstance(r.get("set"), dict),
 }
 
 
@@ -137,7 +140,7 @@ def read_run(out: str | Path) -> RunView:
         kinds = {"train": view.train, "eval": view.evals, "ranks": view.ranks,
                  "straggler": view.stragglers, "rebalance": view.rebalances,
                  "batch_size": view.batch_changes, "autoscale": view.autoscale,
-                 "sync_switch": view.sync_switches}
+                 "sync_switch": view.sync_switches, "relaunch": view.relaunches}
         text = path.read_bytes().decode("utf-8", errors="replace")
         lines = text.split("\n")
         for i, line in enumerate(lines):
@@ -275,6 +278,9 @@ def render(view: RunView) -> Any:
                for a in view.autoscale]
     events += [f"step {w['step']}: synchronisation {w['old']} -> {w['new']} "
                f"({w.get('reason', '')})" for w in view.sync_switches]
+    events += [f"step {r['step']}: relaunched with "
+               + ", ".join(f"{k} = {v}" for k, v in r["set"].items())
+               + f" ({r.get('reason', '')})" for r in view.relaunches]
     if events:
         parts.append(Text("events:\n  " + "\n  ".join(events[-8:])))
     if view.skipped:

@@ -17,15 +17,21 @@ run's, except for these (`ALLOWED`):
   checked on its own, as the padded vocabulary follows it).
 
 - how gradients and weights travel and what adapts (`SWITCHABLE`): the reduce between
-  the stateless modes (mean, fp16, bf16, adasum) and its keys, local SGD and adaptive
+  mean, fp16, bf16, adasum and powersgd and their keys, local SGD and adaptive
   local SGD (a checkpoint is taken after `synchronize()`: every worker holds the same
   weights and moments, so either side of the switch starts from one state), and the
   `[adaptive]` keys that only measure or decide later (the noise scale, goodput's batch
   bounds and interval, the policies).
 
-Still refused, and why: a reduce to or from ``powersgd`` or ``dgc`` (each worker's
-error-feedback memory is saved with the checkpoint and has no counterpart in the other
-mode); ``adaptive.lr`` (AdaScale counts the schedule in steps of the base batch and scales
+PowerSGD's checkpoint keeps only its step count and random state: its error feedback is
+kept per DDP bucket and restarts from zero on any resume (`hook_state_dict`), so entering
+it from a checkpoint starts it as a new run would (``start_powersgd_iter`` plain steps
+first) and leaving it drops nothing a resume in PowerSGD keeps. A policy makes such a
+switch with `Policies.request_relaunch` (`bigbatch.cli.relaunch`).
+
+Still refused, and why: a reduce to or from ``dgc`` (DGC owns momentum and weight decay in
+its hook, `DGC_OPTIMIZER`, and keeps each worker's velocity: the optimizer state of the
+other mode has no place to go); ``adaptive.lr`` (AdaScale counts the schedule in steps of the base batch and scales
 the LR by its gain: the checkpoint's progress would mean something else);
 ``adaptive.gns_gradient`` (the saved estimates are of another gradient).
 
@@ -59,6 +65,7 @@ ALLOWED_STRATEGY = ("data_parallel.timeout_s", "batch.elastic", "sharding.enable
                     "pipeline.pp_degree", "pipeline.virtual_stages", "pipeline.split_points",
                     "pipeline.schedule_mode", "tensor_parallel.tensor_parallel_degree")
 SWITCHABLE = ("data_parallel.reduce", "data_parallel.adasum_on", "data_parallel.adasum_lr",
+              "data_parallel.powersgd_rank", "data_parallel.start_powersgd_iter",
               "data_parallel.bucket_cap_mb", "data_parallel.find_unused_parameters",
               *(f"localsgd.{k}" for k in ("enable", "k_steps", "begin_step")),
               *(f"adaptive_localsgd.{k}" for k in ("enable", "init_k_steps", "begin_step")),
@@ -67,7 +74,7 @@ SWITCHABLE = ("data_parallel.reduce", "data_parallel.adasum_on", "data_parallel.
                                           "interval_steps", "gain_threshold", "noise_scale",
                                           "gns_ema", "gns_warmup_steps", "policies")))
 """Communication and adaptive keys a resume may change (issue 40); see the docstring."""
-STATEFUL_REDUCES = ("powersgd", "dgc")
+STATEFUL_REDUCES = ("dgc",)
 ALLOWED_STRATEGY = ALLOWED_STRATEGY + SWITCHABLE
 ALLOWED = ALLOWED_CONFIG + ALLOWED_STRATEGY
 _SHOWN = 4  # differing keys named in the message; the rest are counted
@@ -125,8 +132,8 @@ def check_resume(config: Any, strategy: Strategy, ckpt: dict, name: str, default
             f"--resume: these settings differ from checkpoint {name}: {shown}{more}; a resume "
             "may change only the training length, checkpoint/log/eval cadence, nan_policy, "
             "data_parallel.timeout_s, (with batch.elastic) the number of workers, the reduce "
-            "between mean/fp16/bf16/adasum, local SGD and the measuring [adaptive] keys; start "
-            "a new run for the rest (another --out, or --overwrite)")
+            "between mean/fp16/bf16/adasum/powersgd, local SGD and the measuring [adaptive] "
+            "keys; start a new run for the rest (another --out, or --overwrite)")
     done = ckpt.get("engine", {}).get("progress", ckpt.get("step", 0))
     if total_steps is not None and total_steps < done:
         what = (f"--steps {config.steps}" if config.steps is not None else

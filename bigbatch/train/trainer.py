@@ -214,10 +214,14 @@ class _Trainer:
                 self.writer.write(record)
         self._follow_plan()
         if policies.stop is not None:
-            self.checkpoint()
             message, status = policies.stop
+            if policies.relaunch and self.main:
+                self.writer.write({"kind": "relaunch", "step": self.run.step,
+                                   "set": dict(policies.relaunch), "reason": message})
+            self.checkpoint()
             if self.main:
-                write_stopped(self.out, message, status, self.run.step, self.files)
+                write_stopped(self.out, message, status, self.run.step, self.files,
+                              relaunch=policies.relaunch)
             self.bar.close()
             raise PolicyStop(message, status)
         if policies.checkpoint_requested:
