@@ -216,6 +216,11 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
                                                          mesh.data_degree)
     if delta is not None:
         run.adasum_delta = delta
+    if world.is_distributed and deg.fsdp_enabled and pipeline is None and mesh.data_degree > 1:
+        from bigbatch.parallel.unused_params import UnusedCheck
+
+        run.unused_check = UnusedCheck(model, mesh.dp_group, world.device,
+                                       step=lambda: run.step + 1)
     if local is not None:
         run.local_sgd = run.state_objects["local_sgd"] = local
         run.step_hooks.append(lambda r: local.after_step(r.step, r.last_lr))

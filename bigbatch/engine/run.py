@@ -6,6 +6,7 @@ and its end tours the parts (`clock`, `window`, `batch`) that each own a piece o
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import time
 from collections.abc import Callable
@@ -142,6 +143,9 @@ class Run:
             if self.mesh.degrees.tp_enabled else []
         # Tensor-parallel ranks must read the same inputs: compared at the first micro-step.
         self._inputs_unchecked = self.mesh.degrees.tp_enabled and pipeline is None
+        self.unused_check: Any = None
+        """`bigbatch.parallel.unused_params.UnusedCheck` in FSDP2 runs over several data
+        ranks: names a parameter one rank does not use, in the first steps."""
         self._comm = comm
         self._owns_group = owns_group
         self._step_time = 0.0
@@ -219,6 +223,8 @@ class Run:
         check = self._check_loss if self.nan_guard is not None else None
         if self._inputs_unchecked:
             check = self._check_first
+        if self.unused_check is not None and self.unused_check.active:
+            check = functools.partial(self._check_unused, check)
         return MicroStep(self.window, scaler=self.scaler, loss_parallel=self._loss_parallel,
                          autocast=None if dtype is None else self._amp_args(),
                          local_sgd=self.local_sgd, timing=self.timing, finish=self._finish_step,
@@ -230,6 +236,13 @@ class Run:
         self._inputs_unchecked = False
         check_same_inputs(loss, self.mesh.tp_mesh.get_group(), self.mesh.tensor_rank)
         return self._check_loss(loss, is_last) if self.nan_guard is not None else False
+
+    def _check_unused(self, then: Callable[[torch.Tensor, bool], bool] | None,
+                      loss: torch.Tensor, is_last: bool) -> bool:
+        """FSDP2's first steps: what this backward reaches against the other data ranks
+        (`bigbatch.parallel.unused_params`), then `then`'s check."""
+        self.unused_check.before_backward(loss, is_last)
+        return then(loss, is_last) if then is not None else False
 
     def sampler(self, dataset: Any, *, shuffle: bool = True, seed: int = 0,
                 drop_last: bool = True) -> Any:
