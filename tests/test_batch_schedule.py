@@ -291,15 +291,25 @@ def test_which_gradient_the_noise_scale_of_adamw_is_of(adaptive, schedule, want)
     assert run.adaptive.warmup_steps == (10 if want else 0)
 
 
-@pytest.mark.parametrize("opt, rule", [("sgd", "adaptive"), ("lars", "adaptive"),
-                                       ("adamw", "seesaw"), ("lamb", "seesaw")])
-def test_auto_is_the_noise_rule_for_momentum_and_seesaw_for_adam(opt, rule):
+@pytest.mark.parametrize("opt, fraction", [("sgd", 1.0), ("lars", 1.0), ("adamw", 0.0075),
+                                           ("lamb", 0.0075)])
+def test_auto_is_the_noise_rule_at_its_family_fraction(opt, fraction):
     s = strategy(opt, 256, gradient_merge={"avg": True}).with_overrides(
         ["batch.schedule=auto", "batch.start_batch_size=32"])
+    assert s.noise_scale_fraction == fraction
     run = prepare(make_model(), s, total_steps=10, world=ONE)
     policy, = run.policies
-    assert policy.mode == rule and (run.adaptive is not None) == (rule == "adaptive")
-    assert f"auto = {rule}: 32 -> at most 256" in s.overview(1)
+    assert policy.mode == "adaptive" and run.adaptive is not None
+    assert policy.noise_rule.fraction == fraction
+    text = s.overview(1)
+    assert "auto = adaptive: 32 -> at most 256" in text
+    assert f"2 x batch <= {fraction:g} x noise scale" in text
+    assert f"{fraction:g} (unset: 1, adamw 0.0075)" in text
+    # a fraction that is set wins over the family's
+    assert s.with_overrides(["batch.noise_scale_fraction=0.5"]).noise_scale_fraction == 0.5
+    # no worker holds the whole gradient under ZeRO or tensor parallelism: seesaw there
+    for layout in ("sharding.enable=true", "tensor_parallel.tensor_parallel_degree=2"):
+        assert "auto = seesaw: 32 -> at most 256" in s.with_overrides([layout]).overview(2)
 
 
 def test_a_grown_run_is_compared_with_the_baseline_of_its_epoch_budget():

@@ -111,10 +111,9 @@ def add_train_arguments(t: argparse.ArgumentParser) -> None:
                    "at the peak LR it finds (= --set batch.lr_find=true; a resume keeps the "
                    "LR found)")
     t.add_argument("--auto-batch", action="store_true",
-                   help="start at the recipe's batch and double it up to the global batch: "
-                   "as the measured noise scale grows (momentum SGD, LARS) or where the "
-                   "decay halves the LR (AdamW, LAMB) (= --set batch.schedule=auto; "
-                   "docs/auto-batch.md)")
+                   help="start at the recipe's batch and double it up to the global batch "
+                   "as the measured noise scale grows, doubling the peak LR each time "
+                   "(= --set batch.schedule=auto; docs/auto-batch.md)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard event files")
     launch = t.add_argument_group("launch (torchrun)")

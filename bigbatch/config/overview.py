@@ -67,6 +67,8 @@ def _shown(strategy: Any, key: str, value: Any) -> Any:
         return f"{str(strategy.nesterov).lower()} (unset: on with LARS)"
     if key == "lr_find_steps":
         return f"{strategy.lr_find_steps} (unset: 15, adamw 30)"
+    if key == "noise_scale_fraction":
+        return f"{strategy.noise_scale_fraction:g} (unset: 1, adamw 0.0075)"
     return value
 
 
@@ -179,7 +181,7 @@ def _derived_rows(
 def _growth_rows(strategy: Any, plan: Any, deg: Degrees) -> list[tuple[str, Any]]:
     b, ceiling = strategy.batch, strategy.ceiling(deg.data).global_batch_size
     rule = growth_of(strategy)
-    when = (f"2 x batch <= {b.noise_scale_fraction:g} x noise scale"
+    when = (f"2 x batch <= {strategy.noise_scale_fraction:g} x noise scale"
             if rule == "adaptive" else "the decay halves the LR")
     name = rule if rule == b.schedule else f"{b.schedule} = {rule}"
     return [("batch schedule", f"{name}: {plan.global_batch_size} -> at most {ceiling}"),

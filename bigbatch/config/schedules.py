@@ -45,17 +45,19 @@ BATCH_SCHEDULES = ("fixed", "auto", "adaptive", "seesaw")
 
 def growth_of(strategy: Any) -> str:
     """The rule a strategy's ``batch.schedule`` stands for: "fixed", "adaptive" or
-    "seesaw". "auto" is the noise-scale rule for momentum SGD and LARS and Seesaw for
-    AdamW and LAMB, whose runs on charlm lost 9% in bits per character following even a
-    twentieth of the noise scale where Seesaw lost 1.6% (benchmarks/NOTES-auto-batch.md);
-    and fixed where the batch cannot change (a pipeline, the parameter server), which
-    the other rules are refused with. Reads the strategy's sections only."""
+    "seesaw". "auto" is the noise-scale rule (its fraction per optimizer family:
+    `Strategy.noise_scale_fraction`); Seesaw under [sharding] or tensor parallelism, whose
+    gradients are not whole on any worker, so the noise scale cannot be measured; and fixed
+    where the batch cannot change (a pipeline, the parameter server), which the other rules
+    are refused with. Reads the strategy's sections only."""
     schedule = strategy.batch.schedule
     if schedule != "auto":
         return schedule
     if strategy.pipeline.enable or strategy.parameter_server.enable:
         return "fixed"
-    return "seesaw" if strategy.optimizer.type == "adamw" else "adaptive"
+    if strategy.sharding.enable or strategy.tensor_parallel.tensor_parallel_degree > 1:
+        return "seesaw"
+    return "adaptive"
 
 
 def lr_factor(

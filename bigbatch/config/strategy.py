@@ -403,6 +403,14 @@ class Strategy:
         steps = self.batch.lr_find_steps
         return steps if steps is not None else 30 if self.optimizer.type == "adamw" else 15
 
+    @property
+    def noise_scale_fraction(self) -> float:
+        """The adaptive batch's fraction in force: batch.noise_scale_fraction, or when unset,
+        1 for momentum SGD and LARS, 0.0075 for AdamW and LAMB
+        (`BatchConfig.noise_scale_fraction`)."""
+        f = self.batch.noise_scale_fraction
+        return f if f is not None else 0.0075 if self.optimizer.type == "adamw" else 1.0
+
     def optimizer_name(self) -> str:
         """The optimizer the engine builds: ``LARS``, ``LAMB``, ``Muon``, ``momentum`` or ``adamw``
         (``K-FAC + momentum``, ``K-FAC + LARS`` with [kfac])."""

@@ -63,7 +63,7 @@ class BatchSchedulePolicy(Policy):
     @classmethod
     def from_strategy(cls, strategy: Any) -> BatchSchedulePolicy:
         b = strategy.batch
-        return cls(growth_of(strategy), b.noise_scale_fraction,
+        return cls(growth_of(strategy), strategy.noise_scale_fraction,
                    b.schedule_interval_steps)
 
     def setup(self, run: Any) -> None:

@@ -115,7 +115,7 @@ def _growth(strategy: Any) -> list[str]:
     b, a = strategy.batch, strategy.adaptive
     if b.schedule == "adaptive":
         return [f"batch schedule adaptive from {b.start_batch_size or b.base_batch_size}, "
-                f"noise_scale_fraction {b.noise_scale_fraction:g}, every "
+                f"noise_scale_fraction {strategy.noise_scale_fraction:g}, every "
                 f"{b.schedule_interval_steps} steps"]
     if b.schedule == "seesaw":
         return [f"batch schedule seesaw from {b.start_batch_size or b.base_batch_size}, every "
