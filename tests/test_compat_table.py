@@ -52,10 +52,15 @@ PREPARE_ROWS = [row for row in CONFLICTS if "prepare()" in row.checked_by]
 
 
 @pytest.mark.parametrize("row", PREPARE_ROWS, ids=[row.key for row in PREPARE_ROWS])
-def test_prepare_refuses_what_its_rows_refuse(row):
-    """prepare() tells the table what it knows: its arguments and this worker (before
-    any process group exists, so a world of 2 needs no peer here)."""
+def test_prepare_refuses_what_its_rows_refuse(row, monkeypatch):
+    """prepare() tells the table what it knows: its arguments, this worker (before
+    any process group exists, so a world of 2 needs no peer here) and this torch (one
+    without FSDP2's unused-parameter pass is mocked by removing the method)."""
     given, strategy = row.given, Strategy.from_dict(row.example)
+    if given.fsdp_unused is False:
+        from torch.distributed.fsdp import FSDPModule
+
+        monkeypatch.delattr(FSDPModule, "set_reduce_scatter_unused_params", raising=False)
     model = nn.Linear(4, 2)
     world = World(world_size=2 if given.distributed or "tensor_parallel" in row.example else 1,
                   device=torch.device(given.device or "cpu"))

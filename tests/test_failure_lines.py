@@ -96,13 +96,27 @@ def test_more_workers_than_gpus_under_nccl_is_refused_before_anything(cache, tmp
     assert not out.exists()
 
 
-def test_find_unused_parameters_is_refused_with_fsdp2():
-    from bigbatch.config.strategy import Strategy
-    from bigbatch.errors import ConfigError
+def test_find_unused_parameters_under_fsdp2_needs_a_torch_with_its_pass(cache, tmp_path,
+                                                                        monkeypatch):
+    """On a torch without FSDPModule.set_reduce_scatter_unused_params (2.11; mocked by
+    removing it) stage 2-3 with find_unused_parameters is refused before any worker
+    starts: exit code 2, one line naming the key and the torch it needs."""
+    from torch.distributed.fsdp import FSDPModule
 
-    with pytest.raises(ConfigError, match="find_unused_parameters = true with sharding.stage"):
-        Strategy().with_overrides(["data_parallel.find_unused_parameters=true",
-                                   "sharding.stage=3"])
+    monkeypatch.delattr(FSDPModule, "set_reduce_scatter_unused_params", raising=False)
+    out = tmp_path / "run"
+    code, err = _main([*ARGS[:-2], "--nproc", "2", "--out", str(out), "--set",
+                       "data_parallel.find_unused_parameters=true", "--set", "sharding.stage=2"],
+                      cache)
+    assert code == 2, err
+    version = torch.__version__.split("+")[0]
+    assert err == ("bigbatch train: error: data_parallel.find_unused_parameters = true with "
+                   f"sharding.stage = 2 needs torch 2.13 or newer (this is torch {version}): "
+                   "FSDP2 reduces a zero gradient for a parameter a rank did not use only "
+                   "from torch 2.13 on (FSDPModule.set_reduce_scatter_unused_params); upgrade "
+                   "torch, use every parameter in forward on every rank, or sharding.stage = "
+                   "1 (DDP's pass)\n"), err
+    assert not out.exists()
 
 
 # ----------------------------------------------------------- a branch one rank skips

@@ -100,8 +100,11 @@ def preflight(config, strategy, world_size: int | None, *, checks_out: bool = Tr
                           f"valid: {', '.join(cls.models)}")
     import torch
 
-    # Settings that need CUDA: refused here on a machine without it, not in every worker.
-    check(strategy, Context(cuda=torch.cuda.is_available(), world_size=world_size))
+    from bigbatch.parallel.sharding import fsdp_reduces_unused
+
+    # Settings that need CUDA, or a newer torch: refused here, not in every worker.
+    check(strategy, Context(cuda=torch.cuda.is_available(), world_size=world_size,
+                            fsdp_unused=fsdp_reduces_unused()))
     task = get_task(config.task, **options)  # fills the data cache once, here
     model_name = task.check_model(config.model)
     saved = ckpt.get("engine", {}).get("batch") if ckpt is not None else None

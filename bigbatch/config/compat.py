@@ -89,6 +89,12 @@ _OFF = "switch one off"
 _SWITCH = 'adaptive.policies = ["sync_switch"]'
 
 
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__.split("+")[0]
+
+
 def _switching(s: Any) -> bool:
     return "sync_switch" in s.adaptive.policies
 
@@ -436,12 +442,17 @@ CONFLICTS: tuple[Conflict, ...] = (
       "inside its reduction and so builds its own optimizer", "drop prepare(optimizer=...)",
       {"dgc": {}}, Context(own_optimizer=True, distributed=True)),
     C("unused-parameters-fsdp", "data_parallel.find_unused_parameters = true",
-      "sharding.stage = 2 or 3", lambda s, c: (s.data_parallel.find_unused_parameters
-                                              and s.sharding.enable and s.sharding.stage >= 2),
-      "{a} with {b}: {reason}; {fix}",
-      "FSDP2 reduces each parameter's gradient inside backward and has no pass for unused ones",
-      "use every parameter in forward on every rank, or sharding.stage = 1 (DDP)",
-      {"data_parallel": {"find_unused_parameters": True}, "sharding": {"stage": 3}}),
+      "sharding.stage = 2 or 3 on torch older than 2.13",
+      lambda s, c: (s.data_parallel.find_unused_parameters and s.sharding.enable
+                    and s.sharding.stage >= 2 and not c.fsdp_unused),
+      "{a} with sharding.stage = {s.sharding.stage} needs torch 2.13 or newer (this is "
+      "torch {torch}): {reason}; {fix}",
+      "FSDP2 reduces a zero gradient for a parameter a rank did not use only from torch 2.13 "
+      "on (FSDPModule.set_reduce_scatter_unused_params)",
+      "upgrade torch, use every parameter in forward on every rank, or sharding.stage = 1 "
+      "(DDP's pass)",
+      {"data_parallel": {"find_unused_parameters": True}, "sharding": {"stage": 3}},
+      Context(fsdp_unused=False), lambda s, c: {"torch": _torch_version()}),
 )
 del C
 

@@ -32,6 +32,10 @@ class Context:
     world_size: int | None = None
     """The world size where known (the preflight: None for an elastic range). Data only:
     no row needs it."""
+    fsdp_unused: bool | None = None
+    """This torch's FSDP2 can reduce zero gradients for the parameters a rank did not use
+    (`FSDPModule.set_reduce_scatter_unused_params`, torch 2.13 or newer; `prepare()` and
+    the preflight, from `bigbatch.parallel.sharding.fsdp_reduces_unused`)."""
 
 
 NO_CONTEXT = Context()
@@ -39,7 +43,7 @@ NO_CONTEXT = Context()
 
 CHECKED_BY = {"run": "prepare(), preflight", "own_optimizer": "prepare()",
               "tp_plan": "prepare()", "distributed": "prepare()", "device": "prepare()",
-              "cuda": "preflight"}
+              "cuda": "preflight", "fsdp_unused": "prepare(), preflight"}
 """Where a row that needs this `Context` fact is checked (rows that need none: Strategy)."""
 
 

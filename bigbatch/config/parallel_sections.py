@@ -45,8 +45,12 @@ class DataParallelConfig(_Section):
     """Collective (and rendezvous) timeout in seconds, at most a week."""
     find_unused_parameters: bool = _f(False)
     """Let a step leave some parameters without a gradient on a worker (a branch one rank
-    does not take): DDP then walks each step's graph to find them (its
-    find_unused_parameters; slower). Off: such a step ends the run with a line naming them."""
+    does not take). Under DDP (no sharding, stage 1) DDP walks each step's graph to find
+    them (its find_unused_parameters; slower); under stage 2-3 FSDP2 reduces a zero
+    gradient for each parameter of a block that ran but that a rank did not use (torch
+    2.13 or newer; refused on an older torch). A block one rank skips whole still ends the
+    run (FSDP2 gathers its parameters in forward on every rank). Off: such a step ends the
+    run with a line naming them."""
 
 
 @dataclass(frozen=True)

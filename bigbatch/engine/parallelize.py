@@ -34,7 +34,9 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, strategy: Any, plan: Any,
     2. Recompute (`[recompute] checkpoints` present in `module`): forwards wrapped in
        place, names unchanged.
     3. FSDP2 (ZeRO-2/3, or a mesh's data dimension; `fsdp`): every `nn.ModuleList`
-       block and each module of a `plan.blocks` class a unit, then the root.
+       block and each module of a `plan.blocks` class a unit, then the root; at stage 2-3
+       with `data_parallel.find_unused_parameters` each reduces zeros for the parameters
+       a rank did not use (`bigbatch.parallel.sharding.reduce_unused`).
     """
     degrees = mesh.degrees
     loss_parallel = False
@@ -53,11 +55,12 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, strategy: Any, plan: Any,
         present = set(dict(module.named_modules()))
         apply_recompute(module, [n for n in strategy.recompute.checkpoints if n in present])
     if fsdp and degrees.fsdp_enabled:
-        from bigbatch.parallel.sharding import apply_fsdp
+        from bigbatch.parallel.sharding import apply_fsdp, reduce_unused
 
         one_root = stage_of is None or len(stage_of.stage_ids) == 1
         apply_fsdp(module, mesh, stage=degrees.stage, offload=strategy.sharding.offload,
                    param_dtype=param_dtype,
                    units=stage_of.fsdp_units() if stage_of is not None else None,
-                   root=one_root, unit_classes=tuple(plan.blocks))
+                   root=one_root, unit_classes=tuple(plan.blocks),
+                   unused=reduce_unused(strategy, degrees.stage))
     return loss_parallel

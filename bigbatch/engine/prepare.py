@@ -27,6 +27,7 @@ from bigbatch.engine.run import Run
 from bigbatch.parallel.data_parallel import check_reduce, wrap_data_parallel
 from bigbatch.parallel.mesh import ParallelMesh
 from bigbatch.parallel.model_plan import ModelPlan
+from bigbatch.parallel.sharding import fsdp_reduces_unused, reduce_unused
 from bigbatch.parallel.world import World, init_distributed
 
 __all__ = ["prepare"]
@@ -118,7 +119,7 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
     # cannot do at all): the table's rows, before any process group exists.
     check(strategy, Context(run=True, own_optimizer=optimizer is not None,
                             tp_plan=tp_plan is not None, distributed=world.is_distributed,
-                            device=world.device.type))
+                            device=world.device.type, fsdp_unused=fsdp_reduces_unused()))
     if dp.sync_batch_norm and world.is_distributed:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if strategy.recompute.enable:  # names checked on the whole model, before any group
@@ -219,8 +220,10 @@ def prepare(model: nn.Module, strategy: Any, total_steps: int, steps_per_epoch: 
     if world.is_distributed and deg.fsdp_enabled and pipeline is None and mesh.data_degree > 1:
         from bigbatch.parallel.unused_params import UnusedCheck
 
-        run.unused_check = UnusedCheck(model, mesh.dp_group, world.device,
-                                       step=lambda: run.step + 1)
+        run.unused_check = UnusedCheck(
+            model, mesh.dp_group, world.device, step=lambda: run.step + 1,
+            reduced=reduce_unused(strategy, deg.stage),
+            can_reduce=deg.stage >= 2 and fsdp_reduces_unused())
     if local is not None:
         run.local_sgd = run.state_objects["local_sgd"] = local
         run.step_hooks.append(lambda r: local.after_step(r.step, r.last_lr))

@@ -13,6 +13,11 @@ Optimizations Toward Training Trillion Parameter Models").
 FSDP2 turns every parameter into a DTensor sharded on dim 0 over the sharding
 mesh; `bigbatch.optim` takes whole-tensor norms of DTensors in one collective
 per step, so the optimizers behave exactly as on one worker.
+
+With `data_parallel.find_unused_parameters` (stages 2-3) FSDP2 reduce-scatters a zero
+gradient for each parameter of a module that ran but that a rank's backward did not
+reach (`FSDPModule.set_reduce_scatter_unused_params`, torch 2.13 or newer), as DDP's
+pass does, so ranks that take different branches reduce the same tensors.
 """
 
 from __future__ import annotations
@@ -25,9 +30,25 @@ from torch import nn
 
 from bigbatch.parallel.mesh import ParallelMesh
 
-__all__ = ["apply_fsdp", "shard_units", "zero_optimizer"]
+__all__ = ["apply_fsdp", "fsdp_reduces_unused", "reduce_unused", "shard_units",
+           "zero_optimizer"]
 
 log = logging.getLogger("bigbatch.sharding")
+
+
+def fsdp_reduces_unused() -> bool:
+    """This torch's FSDP2 can reduce zero gradients for the parameters a rank did not use
+    (`FSDPModule.set_reduce_scatter_unused_params`, torch 2.13 or newer; not in 2.11)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return hasattr(FSDPModule, "set_reduce_scatter_unused_params")
+
+
+def reduce_unused(strategy: Any, stage: int) -> bool:
+    """FSDP2 at ZeRO stage `stage` reduces zeros for unused parameters under `strategy`:
+    `data_parallel.find_unused_parameters` at stage 2-3 (the compatibility table refuses
+    it there on a torch without `fsdp_reduces_unused`)."""
+    return bool(strategy.data_parallel.find_unused_parameters) and stage >= 2
 
 
 def shard_units(model: nn.Module, classes: tuple[str | type, ...] = ()) -> list[nn.Module]:
@@ -60,7 +81,8 @@ def shard_units(model: nn.Module, classes: tuple[str | type, ...] = ()) -> list[
 def apply_fsdp(model: nn.Module, mesh: ParallelMesh, *, stage: int, offload: bool = False,
                param_dtype: torch.dtype | None = None,
                units: list[nn.Module] | None = None, root: bool = True,
-               unit_classes: tuple[str | type, ...] = ()) -> nn.Module:
+               unit_classes: tuple[str | type, ...] = (),
+               unused: bool = False) -> nn.Module:
     """`fully_shard` each unit, then the root, over the mesh's data-parallel dimensions.
 
     `stage` 3 frees gathered parameters after each unit's forward; 2 keeps them until
@@ -69,7 +91,9 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, *, stage: int, offload: boo
     mixed-precision policy (gradients are reduced in float32). `root=False` leaves the
     root alone: a module whose own forward never runs (interleaved pipeline chunks call
     its parts), so its units are roots of their own. `unit_classes`: block classes
-    sharded as units besides the `nn.ModuleList` entries (`shard_units`).
+    sharded as units besides the `nn.ModuleList` entries (`shard_units`). `unused`: a
+    parameter of a module that ran which this rank's backward did not reach gets a zero
+    gradient reduced with its peers' (`reduce_unused`); needs `fsdp_reduces_unused()`.
 
     Stage 3 with no unit gathers every parameter at once in forward (ZeRO-2's memory):
     a one-line warning says so and how to name the blocks.
@@ -89,10 +113,17 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, *, stage: int, offload: boo
         log.warning("ZeRO-3: %s has no repeated blocks (no nn.ModuleList of blocks): only the "
                     "root is sharded, so forward gathers every parameter at once; name the "
                     "block class (model plan `blocks=`)", type(model).__name__)
+    if unused and not fsdp_reduces_unused():
+        raise RuntimeError(f"FSDP2 reduces zero gradients for unused parameters from torch "
+                           f"2.13 on; this is torch {torch.__version__}")
     for unit in chosen:
         fully_shard(unit, **kwargs)
+        if unused:
+            unit.set_reduce_scatter_unused_params(True, recurse=False)
     if root:
         fully_shard(model, **kwargs)
+        if unused:
+            model.set_reduce_scatter_unused_params(True, recurse=False)
     return model
 
 

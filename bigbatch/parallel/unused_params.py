@@ -5,8 +5,11 @@ FSDP2 reduce-scatters the gradients of a unit's parameters that got one in backw
 a parameter one rank does not use (a branch it skips) makes that rank's reduction
 smaller than its peers', and gloo aborts the process on the size mismatch (SIGABRT;
 NCCL hangs or corrupts). A whole block one rank skips pairs its peers' gathers with
-the wrong ones (a hang, or the same abort). DDP has `find_unused_parameters`; FSDP2
-here has no such pass (`data_parallel.find_unused_parameters` is refused there).
+the wrong ones (a hang, or the same abort). With `data_parallel.find_unused_parameters`
+on torch 2.13 or newer, FSDP2 reduces a zero gradient for a parameter of a module that
+ran but that a rank did not use (`bigbatch.parallel.sharding.reduce_unused`), as DDP's
+pass does; a whole block one rank skips still breaks the gathers (FSDP2 gathers a
+block's parameters in its forward on every rank).
 
 `UnusedCheck` sees it coming in the first `steps` optimizer steps. Before each FSDP2
 module's forward (before its gathers) the data ranks say which module they are at (an
@@ -16,10 +19,12 @@ unsharded ones FSDP2 put on the modules in forward, recorded by a forward pre-ho
 each FSDP2 module), and before the window's last backward, the one that reduces, the
 ranks exchange which parameters they used (an all-gather of a byte per parameter).
 Either ends the run with `UnusedParametersError`, the same line on every rank, naming
-the parameters and the ranks that skipped them. After those steps the hooks are
-removed and later steps run with nothing added (a part first skipped later still
-aborts, with the launcher's line about a collective that differs between ranks). A
-parameter no rank uses is fine for FSDP2 and is not reported.
+the parameters and the ranks that skipped them; where FSDP2 reduces zeros for unused
+parameters only a skipped block is an error (no graph walk, no exchange of what was
+used). After those steps the hooks are removed and later steps run with nothing added
+(a part first skipped later still aborts, with the launcher's line about a collective
+that differs between ranks). A parameter no rank uses is fine for FSDP2 and is not
+reported.
 """
 
 from __future__ import annotations
@@ -41,8 +46,13 @@ CHECKED_STEPS = 3
 step, read on the host (a device sync on CUDA), and a graph walk per micro-step."""
 
 
-_FIX = ("use every parameter in forward on every rank, or (without tensor parallelism) "
-        "sharding.stage = 1 with data_parallel.find_unused_parameters = true")
+_STAGE1 = ("(without tensor parallelism) sharding.stage = 1 with "
+           "data_parallel.find_unused_parameters = true")
+_FIX = f"use every parameter in forward on every rank, or {_STAGE1}"
+_FIX_OPTION = ("set data_parallel.find_unused_parameters = true (FSDP2 then reduces zeros for "
+               "them), or use every parameter in forward on every rank")
+_FIX_BLOCK = ("run every block on every rank (where a rank does not want one, add 0 * its "
+              f"output, so that its backward runs too), or {_STAGE1}")
 
 
 def reached_leaves(loss: torch.Tensor) -> set[int]:
@@ -62,9 +72,11 @@ def reached_leaves(loss: torch.Tensor) -> set[int]:
     return out
 
 
-def unused_line(names: list[str], skipped: dict[int, list[int]], step: int) -> str:
+def unused_line(names: list[str], skipped: dict[int, list[int]], step: int,
+                can_reduce: bool = False) -> str:
     """One line: which parameters (indices into `names`) which ranks left without a
-    gradient (`skipped`: rank -> indices) in optimizer step `step`."""
+    gradient (`skipped`: rank -> indices) in optimizer step `step`; `can_reduce`: the fix
+    is `data_parallel.find_unused_parameters` (ZeRO-2/3 on a torch that has FSDP2's pass)."""
     by_set: dict[tuple[int, ...], list[int]] = {}
     for rank, idx in sorted(skipped.items()):
         by_set.setdefault(tuple(idx), []).append(rank)
@@ -77,7 +89,7 @@ def unused_line(names: list[str], skipped: dict[int, list[int]], step: int) -> s
     return (f"parameter(s) {'; '.join(parts)} got no gradient in optimizer step {step} while "
             "other ranks' did (a part of the model that worker did not use); FSDP2 "
             f"reduces every parameter's gradient on every rank, so the reductions would not "
-            f"match: {_FIX}")
+            f"match: {_FIX_OPTION if can_reduce else _FIX}")
 
 
 def skipped_module_line(unit: str, names: list[str], skipped: list[int], ran: list[int],
@@ -88,8 +100,10 @@ def skipped_module_line(unit: str, names: list[str], skipped: list[int], ran: li
     return (f"module {unit or '(the root)'} (parameter(s) {shown}) did not run on "
             f"rank{'s' if len(skipped) > 1 else ''} {', '.join(map(str, skipped))} in "
             f"optimizer step {step} while rank{'s' if len(ran) > 1 else ''} "
-            f"{', '.join(map(str, ran))} ran it; FSDP2 gathers and reduces each block's "
-            f"parameters on every rank, so the collectives would not match: {_FIX}")
+            f"{', '.join(map(str, ran))} ran it; FSDP2 gathers each block's parameters in "
+            f"its forward on every rank, so the collectives would not match "
+            f"(data_parallel.find_unused_parameters covers parameters of a block that ran, "
+            f"not a block that did not run): {_FIX_BLOCK}")
 
 
 _UNIT, _BACKWARD = 1, 2  # where a rank is when the ranks compare: a module's forward, backward
@@ -103,11 +117,14 @@ class UnusedCheck:
     they are at, so a block one rank skips is named before the gathers go astray; call
     `before_backward(loss, is_last)` before each micro-step's backward. `step()` gives
     the optimizer step being taken (for the line). `active` turns False, and the hooks
-    go, after `steps` windows.
+    go, after `steps` windows. `reduced`: FSDP2 reduces zeros for unused parameters here
+    (only a skipped module is an error); `can_reduce`: it would with
+    `data_parallel.find_unused_parameters` (the line says so).
     """
 
     def __init__(self, module: nn.Module, group: Any, device: torch.device,
-                 step: Callable[[], int], steps: int = CHECKED_STEPS) -> None:
+                 step: Callable[[], int], steps: int = CHECKED_STEPS, *,
+                 reduced: bool = False, can_reduce: bool = False) -> None:
         from torch.distributed.fsdp import FSDPModule
 
         self.names = [n for n, p in module.named_parameters() if p.requires_grad]
@@ -117,6 +134,8 @@ class UnusedCheck:
         self._device = device
         self._step = step
         self._left = int(steps)
+        self._reduced = reduced
+        self._can_reduce = can_reduce
         self._by_id: dict[int, int] = {}  # id of a parameter as forward used it -> index
         self._used: set[int] = set()
         self._units = [(prefix, sub) for prefix, sub in module.named_modules()
@@ -126,7 +145,8 @@ class UnusedCheck:
             # Before FSDP2's pre-forward hook (its gathers), and after it (the unsharded
             # parameters it put on the modules, which autograd will see).
             self._handles.append(sub.register_forward_pre_hook(self._arrive_at(i), prepend=True))
-            self._handles.append(sub.register_forward_pre_hook(self._record(prefix)))
+            if not reduced:
+                self._handles.append(sub.register_forward_pre_hook(self._record(prefix)))
 
     @property
     def active(self) -> bool:
@@ -178,17 +198,20 @@ class UnusedCheck:
         it alike)."""
         if not self.active:
             return
-        for leaf in reached_leaves(loss):
-            i = self._by_id.get(leaf)
-            if i is not None:
-                self._used.add(i)
+        if not self._reduced:
+            for leaf in reached_leaves(loss):
+                i = self._by_id.get(leaf)
+                if i is not None:
+                    self._used.add(i)
         if not is_last:
             return
-        self._compare(_BACKWARD, 0)
+        self._compare(_BACKWARD, 0)  # a rank that skipped the last block is elsewhere
         used, self._used, self._by_id = self._used, set(), {}
         self._left -= 1
         if not self.active:
             self.remove()
+        if self._reduced:
+            return
         masks = self._gather([int(i in used) for i in range(len(self.names))], torch.uint8)
         somewhere = masks.any(dim=0)
         ranks = dist.get_process_group_ranks(self._group)
@@ -196,7 +219,8 @@ class UnusedCheck:
                    if (idx := torch.nonzero(somewhere & ~masks[r].bool()).flatten().tolist())}
         if skipped:
             self.remove()
-            raise UnusedParametersError(unused_line(self.names, skipped, self._step()))
+            raise UnusedParametersError(unused_line(self.names, skipped, self._step(),
+                                                    self._can_reduce))
 
     def remove(self) -> None:
         """Stop checking: the forward hooks go."""
