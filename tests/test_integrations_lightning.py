@@ -237,6 +237,18 @@ def test_batch_grows_between_epochs_and_resumes(tmp_path):
     assert resumed.accumulate_grad_batches == 2 * K and again.changes == callback.changes
 
 
+def test_unset_fraction_follows_the_optimizers_family():
+    """Left unset, the rule's fraction is bigbatch's for the optimizer's family: LAMB (Adam
+    type: its defaults have betas) 0.0075, so a noise scale that 1000 x would grow on
+    leaves the batch as it is."""
+    torch.manual_seed(0)
+    callback = NoiseScaleCallback(grow_to=24, min_estimates=1)
+    trainer = _fit(Module(_net(), LAMB, 100), callback, epochs=2)
+    assert callback.fraction == 0.0075
+    assert 0.0075 * callback.gns.b_simple < 24 and not callback.changes
+    assert trainer.accumulate_grad_batches == K
+
+
 def test_lr_find_puts_the_module_back():
     torch.manual_seed(0)
     module = Module(_net(), LAMB, STEPS)

@@ -43,6 +43,13 @@ BATCH_SCHEDULES = ("fixed", "auto", "adaptive", "seesaw")
 """Names accepted for ``batch.schedule`` (how the global batch moves during a run)."""
 
 
+NOISE_SCALE_FRACTIONS = {"momentum": 1.0, "adamw": 0.0075}
+"""`batch.noise_scale_fraction` when unset, per optimizer family (``optimizer.type``: LARS is
+momentum, LAMB is adamw): the batch doubles while twice it is at most this times the raw
+gradient's noise scale. AdamW and LAMB kept their quality on charlm only far below it
+(benchmarks/NOTES-auto-batch.md)."""
+
+
 def growth_of(strategy: Any) -> str:
     """The rule a strategy's ``batch.schedule`` stands for: "fixed", "adaptive" or
     "seesaw". "auto" is the noise-scale rule (its fraction per optimizer family:

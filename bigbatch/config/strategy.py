@@ -38,7 +38,7 @@ from bigbatch.config.fields import (
 from bigbatch.config.muon_section import MuonConfig
 from bigbatch.config.overview import strategy_overview
 from bigbatch.config.scaling import scale_factor, scale_lr
-from bigbatch.config.schedules import growth_of
+from bigbatch.config.schedules import NOISE_SCALE_FRACTIONS, growth_of
 from bigbatch.config.sections import (
     KEYS,
     SECTIONS,
@@ -409,7 +409,7 @@ class Strategy:
         1 for momentum SGD and LARS, 0.0075 for AdamW and LAMB
         (`BatchConfig.noise_scale_fraction`)."""
         f = self.batch.noise_scale_fraction
-        return f if f is not None else 0.0075 if self.optimizer.type == "adamw" else 1.0
+        return f if f is not None else NOISE_SCALE_FRACTIONS[self.optimizer.type]
 
     def optimizer_name(self) -> str:
         """The optimizer the engine builds: ``LARS``, ``LAMB``, ``Muon``, ``momentum`` or ``adamw``

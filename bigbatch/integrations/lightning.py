@@ -31,6 +31,7 @@ import lightning.pytorch as pl
 import torch
 
 from bigbatch.adaptive.gns import GradientNoiseScale
+from bigbatch.config.schedules import NOISE_SCALE_FRACTIONS
 from bigbatch.errors import ConfigError
 from bigbatch.integrations.probe import (
     NoiseProbe,
@@ -69,7 +70,9 @@ class NoiseScaleCallback(pl.Callback):
     Args:
         gns: the estimator (default a new `GradientNoiseScale`).
         grow_to: the global batch (examples) the batch may grow to; None: never grows.
-        noise_scale_fraction: the rule's ``f`` (``batch.noise_scale_fraction``).
+        noise_scale_fraction: the rule's ``f`` (``batch.noise_scale_fraction``); None: as
+            bigbatch's default for the optimizer's family, 0.0075 for Adam-type optimizers
+            (their ``defaults`` have ``betas``: Adam, AdamW, LAMB) and 1 for the others.
         scaling: how the LR follows a doubling (``batch.scaling``: "linear", "sqrt", ...).
         min_estimates: steps measured before a decision trusts the estimate.
         batch_size: examples per micro-batch per rank; None: read from each batch.
@@ -81,11 +84,11 @@ class NoiseScaleCallback(pl.Callback):
     """
 
     def __init__(self, gns: GradientNoiseScale | None = None, *, grow_to: int | None = None,
-                 noise_scale_fraction: float = 1.0, scaling: str = "linear",
+                 noise_scale_fraction: float | None = None, scaling: str = "linear",
                  min_estimates: int = 10, batch_size: int | None = None) -> None:
         self.probe = NoiseProbe(gns)
         self.grow_to = grow_to
-        self.fraction = float(noise_scale_fraction)
+        self.fraction = None if noise_scale_fraction is None else float(noise_scale_fraction)
         self.scaling = scaling
         self.min_estimates = int(min_estimates)
         self.batch_size = batch_size
@@ -120,6 +123,9 @@ class NoiseScaleCallback(pl.Callback):
         k, per = trainer.accumulate_grad_batches, self._rows * trainer.world_size
         if not per:
             return
+        if self.fraction is None:  # the optimizer exists from fit's start on
+            adam = any("betas" in o.defaults for o in trainer.optimizers)
+            self.fraction = NOISE_SCALE_FRACTIONS["adamw" if adam else "momentum"]
         new = grow(self.gns.b_simple, per, k, max(k, self.grow_to // per), self.fraction)
         if new is None:
             return
