@@ -25,6 +25,7 @@ def _diff(before: dict, after: dict) -> list[str]:
     ({}, {"data_parallel": {"reduce": "adasum"}}),
     ({"data_parallel": {"reduce": "fp16"}}, {"data_parallel": {"reduce": "mean"}}),
     ({}, {"localsgd": {"k_steps": 4}}),
+    ({"localsgd": {}}, {"localsgd": {"averaging": "pairwise"}}),  # the checkpoint is the mean
     ({"adaptive_localsgd": {"init_k_steps": 2}}, {}),
     ({}, {"adaptive": {"noise_scale": True}}),
     ({}, {"adaptive": {"policies": ["straggler"]}}),

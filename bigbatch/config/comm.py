@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LOSSY", "adasum_target", "local_sgd_section", "reduce_mode"]
+from bigbatch.errors import ConfigError
+
+__all__ = ["LOSSY", "adasum_target", "check_pairwise_world", "local_sgd_section",
+           "reduce_mode"]
 
 LOSSY = ("powersgd", "dgc")
 """Reduce modes whose result is not the mean up to rounding (fp16/bf16 only round it)."""
@@ -23,6 +26,19 @@ def local_sgd_section(strategy: Any) -> Any:
     if strategy.adaptive_localsgd.enable:
         return strategy.adaptive_localsgd
     return None
+
+
+def check_pairwise_world(strategy: Any, world_size: int) -> None:
+    """`[localsgd] averaging = "pairwise"` pairs the workers on a hypercube: a ConfigError
+    naming the key unless `world_size` is a power of two."""
+    if not (strategy.localsgd.enable and strategy.localsgd.averaging == "pairwise"):
+        return
+    if world_size < 1 or world_size & (world_size - 1):
+        low = 1 << (world_size.bit_length() - 1) if world_size > 1 else 1
+        raise ConfigError(
+            f'localsgd.averaging = "pairwise" pairs the workers on a hypercube and needs a '
+            f"power-of-two number of them, got {world_size}; run {low} or {low * 2} "
+            f'workers, or use averaging = "all"')
 
 
 def adasum_target(strategy: Any) -> str | None:

@@ -83,7 +83,8 @@ class DGCConfig(_Section):
 @dataclass(frozen=True)
 class LocalSGDConfig(_Section):
     """``[localsgd]``: workers step alone and average their models every k_steps steps
-    (post-local SGD, Lin et al. 2020; torch's PeriodicModelAverager)."""
+    (post-local SGD, Lin et al. 2020; torch's PeriodicModelAverager), all together or
+    pairwise on a hypercube (`bigbatch.parallel.pairwise_averaging`)."""
 
     section: ClassVar[str] = "localsgd"
 
@@ -93,6 +94,11 @@ class LocalSGDConfig(_Section):
     """Local optimizer steps between model averages."""
     begin_step: int = _f(1, ge=1)
     """Steps 1..begin_step are synchronous data parallelism; local steps follow."""
+    averaging: str = _f("all", choices=("all", "pairwise"))
+    """Who averages at each average: "all" (every worker's mean, an all-reduce) or
+    "pairwise" (each worker with one peer, rank XOR 2^(j mod log2 N) at the j-th average:
+    point-to-point sends of one model, no all-reduce; KungFu's pairwise averaging in a
+    fixed order; N must be a power of two)."""
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from bigbatch.config.comm import check_pairwise_world
 from bigbatch.errors import ConfigError
 
 __all__ = ["Degrees", "check_pipeline_plan", "degrees"]
@@ -139,6 +140,7 @@ def degrees(strategy: Any, world_size: int) -> Degrees:
             f"pipeline.pp_degree={pp} x tensor_parallel.tensor_parallel_degree={tp} = {pp * tp} "
             f"does not divide the world size {world_size}; use degrees whose product divides it")
     data = world_size // (tp * pp)
+    check_pairwise_world(strategy, world_size)  # local SGD runs on plain DDP: data = world
     if strategy.pipeline.enable and strategy.pipeline.schedule_mode == "PipeDream" and data > 1:
         raise ConfigError(
             f"pipeline.schedule_mode = \"PipeDream\" runs on the pipeline ranks alone; the world "

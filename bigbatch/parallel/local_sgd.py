@@ -8,6 +8,8 @@ nothing); the model side is torch's `PeriodicModelAverager`, or for
     k = clamp(ceil(sqrt(lr_0 x loss / (lr x loss_0) x init_k_steps)), 1, 16)
 
 with `loss` the workers' mean loss of the averaging step and `lr_0`, `loss_0` those of step 1.
+`[localsgd] averaging = "pairwise"` averages each worker with one peer instead of all
+(`bigbatch.parallel.pairwise_averaging`), on the same schedule of steps.
 
 Semantics that differ from data parallelism, by design:
 - Each worker's optimizer state (momentum, Adam moments) stays its own between
@@ -16,7 +18,8 @@ Semantics that differ from data parallelism, by design:
   is taken on each worker's local gradient and weights.
 - Gradient merge merges micro-steps locally: a local step is micro x k_steps samples
   per worker; the LR is that of the global batch, as Fleet keeps it.
-- `synchronize()` averages weights and optimizer state now: `Run.state_dict()` calls it,
+- `synchronize()` averages weights and optimizer state over all workers now (pairwise
+  averaging too): `Run.state_dict()` calls it,
   so a checkpoint holds the state every worker has, and evaluation calls it, so the
   evaluated model is the average. A resumed run equals an uninterrupted one.
 """
@@ -39,6 +42,8 @@ from torch.distributed.algorithms.model_averaging.averagers import (
     ModelAverager,
     PeriodicModelAverager,
 )
+
+from bigbatch.parallel.pairwise_averaging import PairwiseAverager
 
 __all__ = ["MAX_ADAPTIVE_K", "AdaptiveAverager", "LocalSGD", "adaptive_interval"]
 
@@ -107,6 +112,10 @@ class LocalSGD:
         self.optimizer = optimizer
         self.group = group
         self.adaptive = config.section == "adaptive_localsgd"
+        self.pairs: PairwiseAverager | None = None
+        """The hypercube averager under averaging = "pairwise" (else all workers average)."""
+        if not self.adaptive and config.averaging == "pairwise":
+            self.pairs = PairwiseAverager(group)
         begin = int(config.begin_step)
         self.hook_state = PostLocalSGDState(process_group=group, subgroup=None,
                                             start_localSGD_iter=begin,
@@ -153,7 +162,9 @@ class LocalSGD:
             # torch's averager skips parameters without .grad, which the engine freed already.
             a = self.averager
             averaged = a.step >= a.warmup_steps and (a.step - a.warmup_steps) % a.period == 0
-            if averaged:
+            if averaged and self.pairs is not None:
+                self.pairs.average(self.params, self.averages)
+            elif averaged:
                 averaging.average_parameters(iter(self.params), self._group())
             a.step += 1
         self.averages += int(averaged)

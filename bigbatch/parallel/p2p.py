@@ -16,6 +16,9 @@ Messages carry tags of their own (activations and gradients apart), so other
 point-to-point traffic with tag 0 on the same group, such as torch.distributed.pipelining's,
 cannot take a message left pending between two schedules (gloo matches tags; NCCL
 ignores them, so on NCCL give the pipeline a group of its own).
+
+`exchange` is the symmetric case: two ranks swap tensors of one shape in one
+`batch_isend_irecv` (pairwise model averaging, `bigbatch.parallel.pairwise_averaging`).
 """
 
 from __future__ import annotations
@@ -28,12 +31,12 @@ import torch.distributed as dist
 
 from bigbatch.errors import ConfigError
 
-__all__ = ["StageLink", "group_timeout"]
+__all__ = ["StageLink", "exchange", "group_timeout"]
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _MAX_DIMS = 8
 _HEADER = 4 + _MAX_DIMS  # micro-batch id, version, dtype code, ndim, shape
-TAG_ACTIVATION, TAG_GRAD = 0x5044_0001, 0x5044_0002
+TAG_ACTIVATION, TAG_GRAD, TAG_EXCHANGE = 0x5044_0001, 0x5044_0002, 0x5044_0003
 
 
 def group_timeout(group: dist.ProcessGroup | None, device: torch.device) -> datetime.timedelta:
@@ -43,6 +46,23 @@ def group_timeout(group: dist.ProcessGroup | None, device: torch.device) -> date
         return pg._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):
         return dist.default_pg_timeout
+
+
+def exchange(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup | None = None,
+             timeout: datetime.timedelta | None = None) -> torch.Tensor:
+    """Send `tensor` to rank `peer` of `group` and return what `peer` sends back: a tensor
+    of the same shape and dtype (both ranks call this, each naming the other). The send
+    and the receive go out together (`batch_isend_irecv`), so neither rank waits on the
+    other's order; each wait is bounded by `timeout` (default: the group's)."""
+    if timeout is None:
+        timeout = group_timeout(group, tensor.device)
+    dst = dist.get_global_rank(group, peer) if group is not None else peer
+    theirs = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    ops = [dist.P2POp(dist.isend, tensor.contiguous(), dst, group, TAG_EXCHANGE),
+           dist.P2POp(dist.irecv, theirs, dst, group, TAG_EXCHANGE)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait(timeout)
+    return theirs
 
 
 class StageLink:

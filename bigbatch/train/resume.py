@@ -17,8 +17,8 @@ run's, except for these (`ALLOWED`):
   checked on its own, as the padded vocabulary follows it).
 
 - how gradients and weights travel and what adapts (`SWITCHABLE`): the reduce between
-  mean, fp16, bf16, adasum and powersgd and their keys, local SGD and adaptive
-  local SGD (a checkpoint is taken after `synchronize()`: every worker holds the same
+  mean, fp16, bf16, adasum and powersgd and their keys, local SGD (its averaging all
+  or pairwise included) and adaptive local SGD (a checkpoint is taken after `synchronize()`: every worker holds the same
   weights and moments, so either side of the switch starts from one state), and the
   `[adaptive]` keys that only measure or decide later (the noise scale, goodput's batch
   bounds and interval, the policies).
@@ -67,7 +67,7 @@ ALLOWED_STRATEGY = ("data_parallel.timeout_s", "batch.elastic", "sharding.enable
 SWITCHABLE = ("data_parallel.reduce", "data_parallel.adasum_on", "data_parallel.adasum_lr",
               "data_parallel.powersgd_rank", "data_parallel.start_powersgd_iter",
               "data_parallel.bucket_cap_mb", "data_parallel.find_unused_parameters",
-              *(f"localsgd.{k}" for k in ("enable", "k_steps", "begin_step")),
+              *(f"localsgd.{k}" for k in ("enable", "k_steps", "begin_step", "averaging")),
               *(f"adaptive_localsgd.{k}" for k in ("enable", "init_k_steps", "begin_step")),
               *(f"sync_switch.{k}" for k in ("threshold", "window_steps", "k_steps")),
               *(f"adaptive.{k}" for k in ("batch_size", "min_batch_size", "max_batch_size",
