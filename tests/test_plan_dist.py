@@ -67,13 +67,14 @@ def _bytes(tensors) -> int:
 
 
 def _measure(layouts: list[tuple[str, int]]) -> dict:
-    """On each rank: every layout's bytes at the optimizer step and its third step's
-    collectives."""
+    """On each rank: every layout's bytes at the optimizer step and the collectives of its
+    first step after the unused-parameter check."""
     import os
 
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     from bigbatch.engine.prepare import prepare
+    from bigbatch.parallel.unused_params import CHECKED_STEPS
     from bigbatch.planner.counting import CommCount, counting, dims_of
 
     world = int(os.environ["WORLD_SIZE"])
@@ -106,7 +107,9 @@ def _measure(layouts: list[tuple[str, int]]) -> dict:
         run.optimizer.register_step_pre_hook(at_step)
         gen = torch.Generator().manual_seed(1)
         plan_ = run.plan
-        for _step in range(3):  # the third step's collectives: the first ones set up
+        # the collectives of the step after FSDP2's unused-parameter check (its first
+        # CHECKED_STEPS steps exchange where each rank is): the plan is of the steady step
+        for _step in range(CHECKED_STEPS + 1):
             count = CommCount()
             with counting(count, names):
                 if run.pipeline is not None:
