@@ -279,7 +279,7 @@ class Strategy:
         b, w = self.batch, ceiling.world_size
         start = b.start_batch_size
         if start is None:  # the recipe's batch, on every worker, within the ceiling
-            start = min(-(-b.base_batch_size // w) * w, ceiling.global_batch_size)
+            start = min(self._base_on_workers(w), ceiling.global_batch_size)
         if start > ceiling.global_batch_size:
             raise ConfigError(f"batch.start_batch_size={start} is larger than the ceiling "
                               f"batch.global_batch_size={ceiling.global_batch_size}")
@@ -294,6 +294,11 @@ class Strategy:
             raise ConfigError(f"batch.start_batch_size={start} is not a multiple of the micro "
                               f"batch {micro} x {w} workers; use a multiple of {micro * w}")
         return self.batch_plan(start, micro, per_worker // micro, w)
+
+    def _base_on_workers(self, world_size: int) -> int:
+        """The recipe's base batch rounded up to a multiple of the workers: a growing
+        batch's default start (before the ceiling caps it)."""
+        return -(-self.batch.base_batch_size // world_size) * world_size
 
     def ceiling(self, world_size: int) -> BatchPlan:
         """The configured plan for ``world_size`` workers: the plan of a fixed batch, the
@@ -358,7 +363,7 @@ class Strategy:
         if b.growth_scaling != b.scaling and growth_of(self) == "adaptive":
             # from the start batch on, each doubling follows growth_scaling (both rules
             # are powers of the batch, so this swaps one rule's factor for the other's)
-            start = b.start_batch_size or -(-b.base_batch_size // world_size) * world_size
+            start = b.start_batch_size or self._base_on_workers(world_size)
             grown = global_batch_size / start
             peak *= scale_factor(grown, b.growth_scaling) / scale_factor(grown, b.scaling)
         return BatchPlan(int(global_batch_size), int(micro_batch_size), int(k_steps),
