@@ -64,6 +64,18 @@ def test_amp_custom_lists_run_listed_ops_in_listed_dtype():
     assert paddle["fc"] == torch.float32
 
 
+def test_a_listed_op_casts_the_tensors_it_takes_by_keyword():
+    """`F.layer_norm` passes weight= and bias= by keyword; a listed op casts those too
+    (CUDA refuses a float16 input with a float32 weight; CPU kernels refuse some mixes)."""
+    from bigbatch.engine.amp_lists import amp_context
+    x, w, b = torch.randn(3, 4), torch.randn(5, 4), torch.randn(5)
+    with amp_context("cpu", torch.bfloat16, white=["linear"]):
+        out = torch.nn.functional.linear(x, w, bias=b)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, torch.nn.functional.linear(
+        x.bfloat16(), w.bfloat16(), b.bfloat16()), rtol=0, atol=0)
+
+
 def test_amp_lists_and_pure_fp16_from_fleet():
     t = translate("batch_size = 4\namp = true\n[amp_configs]\ncustom_white_list = "
                   '["softmax"]\ncustom_black_list = ["layer_norm"]\nuse_fp16_guard = false\n'

@@ -44,6 +44,8 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
         return value.to(dtype)
     if isinstance(value, list | tuple):
         return type(value)(_cast(v, dtype) for v in value)
+    if isinstance(value, dict):  # keyword arguments (F.layer_norm passes weight= so)
+        return {k: _cast(v, dtype) for k, v in value.items()}
     return value
 
 

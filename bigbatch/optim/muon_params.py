@@ -157,6 +157,9 @@ def adamw_step(group: dict, params: list[torch.Tensor],
         return
     for i in plain:
         step, m, v = states[i]
+        if step.device.type != "cpu":  # bias corrections on the device: no host read
+            _adamw_flagged(ws[i], gs[i], states[i], lr, wd, eps, beta1, beta2, None)
+            continue
         step += 1
         t = float(step)
         w, g = ws[i], gs[i]
@@ -170,17 +173,18 @@ def adamw_step(group: dict, params: list[torch.Tensor],
 
 def _adamw_flagged(w: torch.Tensor, g: torch.Tensor,
                    state: tuple[torch.Tensor, torch.Tensor, torch.Tensor], lr, wd: float,
-                   eps: float, beta1: float, beta2: float, found_inf: torch.Tensor) -> None:
-    """`adamw_step`'s per-tensor rule under an overflow flag, with no host read: the new
-    values are computed (the step count and bias corrections as device tensors) and
-    kept where the flag is zero."""
+                   eps: float, beta1: float, beta2: float,
+                   found_inf: torch.Tensor | None) -> None:
+    """`adamw_step`'s per-tensor rule with no host read: the step count and bias
+    corrections stay device tensors. Under an overflow flag the new values are kept
+    where the flag is zero; with none (``found_inf=None``) they are always kept."""
     step, m, v = state
-    skip = found_inf.to(w.device).reshape(()).bool()
-    step.add_((~skip).to(step.dtype))
+    skip = None if found_inf is None else found_inf.to(w.device).reshape(()).bool()
+    step.add_(1 if skip is None else (~skip).to(step.dtype))
     t = step.to(torch.float64 if w.dtype == torch.float64 else torch.float32)
     new_m = m.lerp(g, 1 - beta1)
     new_v = (v * beta2).addcmul_(g, g, value=1 - beta2)
     denom = (new_v.sqrt() / (1 - beta2 ** t).sqrt()).add_(eps)
     new_w = w * (1 - lr * wd) - lr / (1 - beta1 ** t) * new_m / denom
     for old, new in ((m, new_m), (v, new_v), (w, new_w)):
-        old.copy_(torch.where(skip, old, new))
+        old.copy_(new if skip is None else torch.where(skip, old, new))
