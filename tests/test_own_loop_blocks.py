@@ -35,12 +35,6 @@ from tests._cli import cli_env
 from tests._dist import free_port
 from tests.test_docs_blocks import blocks
 
-# With the long tests: run before tests/test_own_loop_data.py in the default suite, this
-# module's torchrun jobs made that test's two gloo workers (forks of the session's fork
-# server, a tensor-parallel mesh) hang before they joined, every time; the cause is not
-# found yet. Alone, and in `scripts/test --slow`, both pass.
-pytestmark = pytest.mark.slow
-
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = {"readme": ROOT / "README.md", "own-loop": ROOT / "docs" / "own-loop.md"}
 OUT_ENV = "OWN_LOOP_BLOCK_OUT"

@@ -6,7 +6,6 @@ wrong silently: it now stops at the first step in one line."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 from _dist import run_workers
@@ -76,10 +75,6 @@ def _worker():
     return weights, refused
 
 
-# With the long tests: in the full default suite (the last two fresh-clone CI runs of
-# stop 45) its two gloo workers hung before they joined, every time; alone, with the files
-# around it, and in `scripts/test --slow` it passes. An ordering dependence not found yet.
-@pytest.mark.slow
 def test_run_loader_feeds_tensor_ranks_alike_and_a_world_sampler_is_refused():
     per_rank = run_workers(_worker, world_size=2, timeout=60)
     single = train(1)  # one process: data degree 1, the whole data set

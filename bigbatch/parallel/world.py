@@ -129,31 +129,42 @@ def init_distributed(config: Any = None, world: World | None = None) -> World:
         # Binding the group to the device lets NCCL connect eagerly and fail early.
         kwargs["device_id"] = world.device
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = _restart_store(world, timeout)
-    if store is not None:
-        kwargs["store"] = store
-    else:
-        kwargs["init_method"] = "env://"
-    dist.init_process_group(backend=backend, rank=world.rank, world_size=world.world_size,
-                            timeout=timeout, **kwargs)
-    if store is not None:  # for a roll call to name this rank's host
-        from bigbatch.parallel.roll_call import announce
+    from bigbatch.parallel.roll_call import agent_store, announce
 
-        announce(store, world.rank)
+    attempt = agent_store(timeout)
+    base = attempt if attempt is not None else _job_store(world, timeout)
+    global _GROUPS_MADE
+    store = dist.PrefixStore(f"bigbatch/group_{_GROUPS_MADE}/", base)
+    _GROUPS_MADE += 1
+    dist.init_process_group(backend=backend, rank=world.rank, world_size=world.world_size,
+                            timeout=timeout, store=store, **kwargs)
+    announce(attempt, world.rank)  # for a roll call to name this rank's host
     return world
 
 
-def _restart_store(world: World, timeout: datetime.timedelta) -> Any:
-    """Under torchrun's agent store, a store whose keys are this restart's own, else None.
+_GROUPS_MADE = 0
+"""Default groups this process has made: the same count on every rank of an SPMD program."""
+_JOB_STORES: dict[tuple[str, int, int, int], Any] = {}
 
-    The agent's TCPStore outlives a worker-group restart, and `env://` reads the group's
-    keys unprefixed: restarted workers would find the dead group's gloo addresses and
-    fail to connect ("Connection refused"). Prefixing by TORCHELASTIC_RESTART_COUNT keeps
-    each attempt apart.
+
+def _job_store(world: World, timeout: datetime.timedelta) -> Any:
+    """The TCPStore at MASTER_ADDR:MASTER_PORT (rank 0 serves it), kept for the process.
+
+    A job that destroys its group and makes another (`run.close()`, then `prepare()`
+    again) meets on the same port. Had each group its own store, as `env://` gives,
+    a fast rank could reach rank 0's old store before rank 0 closed it, read the old
+    group's gloo addresses, and leave rank 0 waiting forever in the new group's connect.
+    One store per job, and keys per group (`init_distributed`'s prefix), rule that out,
+    as torchrun's agent store does for its workers (whose keys are prefixed by restart
+    attempt: the dead attempt's addresses are never read).
     """
-    from bigbatch.parallel.roll_call import agent_store
-
-    return agent_store(timeout)
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    key = (addr, port, world.world_size, world.rank)
+    if key not in _JOB_STORES:
+        _JOB_STORES[key] = dist.TCPStore(addr, port, world.world_size,
+                                         is_master=world.rank == 0, timeout=timeout,
+                                         multi_tenant=True)
+    return _JOB_STORES[key]
 
 
 def teardown() -> None:
