@@ -3,7 +3,8 @@ benchmarks/plan_time.py and benchmarks/plan_anchors.py).
 
 Hand-computed collectives and links, FLOPs of known operators from torch's counter, the
 breakdown summing to the step, monotonicity in the device and the pipeline, device files
-read back and refused in one line, `--model module:function` through the CLI.
+read back and refused in one line, `--model module:function` through the CLI; autocast's
+casts counted by hand, the optimizer costed on a steady step.
 """
 
 from __future__ import annotations
@@ -221,3 +222,77 @@ def test_llama_example_has_llama3_shapes():
     out = small(torch.zeros(2, 16, dtype=torch.long, device="meta"))
     assert out.shape == (2, 16, 50)
     assert F.silu is not None  # SwiGLU's gate
+
+
+def _norm_then_linear() -> nn.Module:
+    return nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 32, bias=False))
+
+
+def _norm_then_linear_plan(**sections):
+    s = Strategy.from_dict({"batch": {"micro_batch_size": 16},
+                            "optimizer": {"type": "adamw"}, **sections})
+    return plan(_norm_then_linear, s, 1,
+                example=lambda b: (torch.zeros(b, 64), torch.zeros(b, 32)))
+
+
+def test_autocast_counts_its_casts_by_hand():
+    """bf16 autocast against float32 on LayerNorm(64) -> Linear(64, 32), micro-batch 16:
+    four casts more, each 4 B read + 2 B written an element (or the reverse): the norm's
+    16 x 64 output and the 32 x 64 weight to bfloat16 in forward (autocast's cached copy,
+    once a micro-batch), their gradients back to float32 in backward. The norm runs in
+    float32 either way; the products keep their FLOPs at half the bytes, and so does
+    backward's seed (`ones_like` the 16 x 32 output, counted with the output it reads)."""
+    b, d, h = 16, 64, 32
+    fp32 = _norm_then_linear_plan().ranks[0].compute
+    bf16 = _norm_then_linear_plan(amp={"dtype": "bfloat16"}).ranks[0].compute
+    casts = 2 * 6 * (b * d + h * d)
+    assert bf16.kernels - fp32.kernels == 4
+    seed = 2 * 2 * b * h  # (4 - 2) B an element, of the output and of its ones
+    assert bf16.other_bytes - fp32.other_bytes == casts - seed
+    assert [(m[0], m[1], 2 * m[2]) for m in bf16.matmuls] == \
+        [("bfloat16", m[1], m[2]) for m in fp32.matmuls]
+    # On a device whose products are bound by their bytes, the step grows by the casts'
+    # bytes and a kernel each, less what the products and the seed save.
+    dev = replace(H100, flops={"float32": 1e30, "bfloat16": 1e30})
+    bw = dev.memory_bandwidth * dev.memory_efficiency
+    halved = sum(m[2] for m in fp32.matmuls) / 2
+    assert bf16.seconds(dev) - fp32.seconds(dev) == pytest.approx(
+        (casts - seed - halved) / bw + 4 * dev.kernel_overhead)
+
+
+def test_host_step_counters_are_not_device_kernels():
+    """torch's optimizers keep each parameter's step count on the host and read it with
+    .item() for the bias corrections: no kernel on the device."""
+    steps = [torch.tensor(1.0) for _ in range(3)]
+    p = torch.empty(10, device="meta")
+    cost = OpCost()
+    with cost_counting(cost):
+        torch._foreach_add_(steps, 1)
+        [s.item() for s in steps]
+        p.mul(2)
+    assert cost.kernels == 1 and cost.other_bytes == 2 * 10 * 4
+
+
+def test_the_optimizer_is_costed_on_a_steady_step():
+    """A run's steps after its first: AdamW's first step fills its new state (a zeros_like
+    for each moment of each parameter), which the planned cost leaves out."""
+    from bigbatch.engine.optimizer import build_optimizer
+
+    got = _norm_then_linear_plan().ranks[0].optimizer_cost
+    with torch.device("meta"):
+        model = _norm_then_linear()
+    optimizer = build_optimizer(model, _strategy(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    first, second = OpCost(), OpCost()
+    with cost_counting(first):
+        optimizer.step()
+    with cost_counting(second):
+        optimizer.step()
+    assert (got.kernels, got.other_bytes) == (second.kernels, second.other_bytes)
+    tensors = len(list(model.parameters()))
+    assert first.kernels - second.kernels == 2 * tensors
+    assert first.other_bytes > second.other_bytes
+    # foreach kernels over a group's tensors, none per tensor
+    assert second.kernels <= 8 * len(optimizer.param_groups)
+

@@ -10,9 +10,11 @@ them (matrix products, convolutions, attention); it is subclassed here only to s
 operator once, with its arguments. Every operator is costed by the roofline of its own
 kernel: ``max(flops / matmul rate of its dtype, bytes / memory bandwidth)`` plus the
 device's launch overhead, where bytes are its tensor inputs and outputs. Views (an
-output sharing an input's storage) cost nothing. DTensor operators are costed on their
-local shards, what each rank runs. Fused kernels touch fewer bytes than the op-by-op sum
-(an estimate on the high side for elementwise chains).
+output sharing an input's storage) cost nothing, nor do operators on 1-element host
+tensors among device work (an optimizer's step counters: host bookkeeping, no kernel).
+DTensor operators are costed on their local shards, what each rank runs. Fused kernels
+touch fewer bytes than the op-by-op sum (an estimate on the high side for elementwise
+chains).
 """
 
 from __future__ import annotations
@@ -129,9 +131,17 @@ def _causal(func_packet: Any, args: tuple, kwargs: dict) -> bool:
     return False
 
 
-# Operators that move nothing: bookkeeping, or collectives (timed by the link model).
-_FREE_NAMESPACES = ("_c10d_functional", "c10d", "prim")
+# Operators that move nothing: bookkeeping, or collectives (timed by the link model);
+# `profiler` is `record_function`'s markers around an optimizer's step (host only).
+_FREE_NAMESPACES = ("_c10d_functional", "c10d", "prim", "profiler")
 _FREE = {aten.detach, aten.alias, aten.lift_fresh}
+
+
+def _host_scalars(tensors: list[torch.Tensor]) -> bool:
+    """Host bookkeeping among device work: every tensor a 1-element one in host memory
+    (torch's optimizers keep their step counters there and read each with ``.item()`` for
+    the bias corrections: no kernel on the device). A plan's work is all on meta."""
+    return bool(tensors) and all(t.device.type == "cpu" and t.numel() <= 1 for t in tensors)
 
 
 class _Counter(FlopCounterMode):
@@ -158,6 +168,8 @@ class _Counter(FlopCounterMode):
             return out
         ins = [local(t) for t in _tensors((args, kwargs))]
         outs = [local(t) for t in _tensors(out)]
+        if _host_scalars(ins + outs):
+            return out
         storages = {_storage(t) for t in ins}
         fresh = [t for t in outs if _storage(t) not in storages]
         if outs and not fresh:

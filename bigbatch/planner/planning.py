@@ -3,8 +3,9 @@
 For each pipeline stage it builds the model on the meta device, becomes that stage's
 first rank on torch's fake process group, and applies the strategy's layout through the
 engine's own steps (`bigbatch.planner.layout`); then measures what that rank holds, runs
-one micro-batch and one optimizer step on meta to count what they send, and adds the
-data-parallel and pipeline traffic by arithmetic (`bigbatch.planner.traffic`).
+one micro-batch and two optimizer steps on meta to count what they send (the first) and
+cost (the second, a steady one), and adds the data-parallel and pipeline traffic by
+arithmetic (`bigbatch.planner.traffic`).
 """
 
 from __future__ import annotations
@@ -182,14 +183,16 @@ def _state_tensors(optimizer: Any, params: Sequence[torch.Tensor] | None = None)
 
 
 def _meta_step(layout: RankLayout, strategy: Any, optimizer: Any) -> tuple[CommCount, OpCost]:
-    """One optimizer step on meta gradients (clipping first when the strategy clips): the
-    state it creates is the optimizer's own layout, what it sends is counted, its
-    operators costed."""
+    """Two optimizer steps on meta gradients (clipping first when the strategy clips): the
+    state the first creates is the optimizer's own layout and what it sends is counted;
+    the second, a steady step like every one a run times after its first, is costed. The
+    first step's operators are left out: it fills the new state (two ``zeros_like`` a
+    parameter for AdamW, each a kernel), which no later step does."""
     params = [p for p in layout.module.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)
-    count, cost = CommCount(), OpCost()
-    with counting(count, layout.names), cost_counting(cost):
+
+    def step() -> None:
         clip = strategy.max_grad_norm()
         if clip is not None:
             from bigbatch.engine.step import clip as clip_grads
@@ -197,6 +200,12 @@ def _meta_step(layout: RankLayout, strategy: Any, optimizer: Any) -> tuple[CommC
 
             clip_grads(params, grad_norm(params, None, layout.pipeline), clip)
         optimizer.step()
+
+    count, cost = CommCount(), OpCost()
+    with counting(count, layout.names):
+        step()
+    with counting(CommCount(), layout.names), cost_counting(cost):
+        step()
     return count, cost
 
 

@@ -24,7 +24,9 @@ The parts, each from what the plan already measured:
 - **pipeline**: ``(p - 1) / v`` stage-micro-batch times of bubble (GPipe and 1F1B: v = 1;
   interleaved: v chunks per rank), the slowest stage setting the pace; activations'
   sends on the fill and drain path exposed, those in the steady state hidden.
-- **optimizer**: the strategy's optimizer step on meta, costed by its kernels' bytes.
+- **optimizer**: the strategy's optimizer step on meta, costed by its kernels' bytes: a
+  steady step (the second; the first fills the new state), its host bookkeeping (step
+  counters) left out.
 
 MFU is the model's FLOPs (3 x the forward's: recompute not counted) per second over the
 device's peak in the step's dtype; TFLOP/s per GPU counts every FLOP run (recompute
