@@ -5,6 +5,14 @@ catch them as `ValueError`.
 """
 
 
+def on_every_rank(error: BaseException) -> BaseException:
+    """Mark `error` as raised alike by every rank, after a collective that agreed on it
+    (nothing else in flight): the run it leaves closes the process group it made on the
+    way out (`Run.close`), so the job's processes exit cleanly, not with a live group."""
+    error.on_every_rank = True  # type: ignore[attr-defined]
+    return error
+
+
 class ConfigError(ValueError):
     """A bad configuration key, value, file or combination of options."""
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bigbatch.errors import on_every_rank
 from bigbatch.optim._norms import local
 
 __all__ = ["InputMismatchError", "data_loader", "data_sampler", "check_same_inputs"]
@@ -61,9 +62,9 @@ def check_same_inputs(loss: torch.Tensor, group: Any, tensor_rank: int) -> None:
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     high, low = float(both[0]), -float(both[1])
     if abs(high - low) > _TOLERANCE * max(1.0, abs(high)):
-        raise InputMismatchError(
+        raise on_every_rank(InputMismatchError(
             f"tensor-parallel ranks got different inputs at the first step (losses "
             f"{low:.6g} to {high:.6g} across the tensor group of rank {tensor_rank}): give "
             "each rank its share by the data rank, run.loader(data) or run.sampler(data) "
             "(DistributedSampler(data, run.mesh.data_degree, run.mesh.data_rank)), not the "
-            "global rank")
+            "global rank"))

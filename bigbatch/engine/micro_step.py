@@ -27,14 +27,15 @@ class MicroStep:
     """
 
     __slots__ = ("_window", "_scaler", "_autocast", "_loss_parallel", "_local_sgd", "_timing",
-                 "_finish", "_skip", "_add_time", "_check", "_contexts", "is_last", "stepped",
+                 "_finish", "_skip", "_add_time", "_check", "_ended", "_contexts", "is_last", "stepped",
                  "skipped", "_called", "_t0")
 
     def __init__(self, window: MergeWindow, *, scaler: Any, autocast: tuple[str, Any] | None,
                  loss_parallel: bool, local_sgd: Any, timing: Any,
                  finish: Callable[[float], bool], skip: Callable[[], None],
                  add_time: Callable[[float], None],
-                 check: Callable[[torch.Tensor, bool], bool] | None = None) -> None:
+                 check: Callable[[torch.Tensor, bool], bool] | None = None,
+                 ended: Callable[[BaseException], None] | None = None) -> None:
         self._window = window
         self._scaler = scaler
         self._autocast = autocast  # (device type, dtype[, white list, black list]) or None
@@ -43,6 +44,7 @@ class MicroStep:
         self._timing = timing
         self._finish, self._skip, self._add_time = finish, skip, add_time
         self._check = check  # nan_policy: True to skip the step instead of this backward
+        self._ended = ended  # told of an error leaving the block (the run may close)
         self._contexts: list[Any] = []
         self.is_last = False
         """True on the k-th micro-step, the one that all-reduces and steps."""
@@ -111,9 +113,19 @@ class MicroStep:
         self._skip()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        try:
+            return self._exit(exc_type, exc, tb)
+        except BaseException as e:
+            if self._ended is not None:
+                self._ended(e)
+            raise
+
+    def _exit(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         for ctx in reversed(self._contexts):
             ctx.__exit__(exc_type, exc, tb)
         if exc_type is not None:
+            if self._ended is not None:
+                self._ended(exc)
             return False
         if not self._called:
             raise RuntimeError("call ms.backward(loss) inside `with run.micro_step() as ms:`")

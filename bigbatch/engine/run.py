@@ -228,7 +228,16 @@ class Run:
         return MicroStep(self.window, scaler=self.scaler, loss_parallel=self._loss_parallel,
                          autocast=None if dtype is None else self._amp_args(),
                          local_sgd=self.local_sgd, timing=self.timing, finish=self._finish_step,
-                         skip=self.skip_step, add_time=self._add_step_time, check=check)
+                         skip=self.skip_step, add_time=self._add_step_time, check=check,
+                         ended=self._ended_by)
+
+    def _ended_by(self, error: BaseException) -> None:
+        """An error leaving a micro-step: one that every rank raised alike
+        (`bigbatch.errors.on_every_rank`: unused parameters, tensor ranks' inputs) ends the
+        run, and its group goes now, not in the interpreter's exit, where a live gloo
+        group's threads abort the process (SIGABRT) after the error is printed."""
+        if getattr(error, "on_every_rank", False):
+            self.close()
 
     def _check_first(self, loss: torch.Tensor, is_last: bool) -> bool:
         """The first micro-step under tensor parallelism: the same inputs on every tensor

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from bigbatch.errors import on_every_rank
 from bigbatch.parallel.data_parallel import UnusedParametersError
 
 __all__ = ["CHECKED_STEPS", "UnusedCheck", "reached_leaves", "skipped_module_line",
@@ -189,8 +190,8 @@ class UnusedCheck:
         names = [f"{prefix}.{n}" if prefix else n for n, p in sub.named_parameters()
                  if p.requires_grad]
         self.remove()
-        raise UnusedParametersError(skipped_module_line(prefix, names, skipped, ran,
-                                                        self._step()))
+        raise on_every_rank(UnusedParametersError(
+            skipped_module_line(prefix, names, skipped, ran, self._step())))
 
     def before_backward(self, loss: torch.Tensor, is_last: bool) -> None:
         """Note what this micro-step's backward reaches; on the window's last, the one
@@ -219,8 +220,8 @@ class UnusedCheck:
                    if (idx := torch.nonzero(somewhere & ~masks[r].bool()).flatten().tolist())}
         if skipped:
             self.remove()
-            raise UnusedParametersError(unused_line(self.names, skipped, self._step(),
-                                                    self._can_reduce))
+            raise on_every_rank(UnusedParametersError(
+                unused_line(self.names, skipped, self._step(), self._can_reduce)))
 
     def remove(self) -> None:
         """Stop checking: the forward hooks go."""
