@@ -164,7 +164,7 @@ def test_a_sync_k_steps_is_geo_and_tensor_init_seed_seeds_the_init():
     ("tensor_parallel = true\n[tensor_parallel_configs]\ntensor_parallel_degree = 2\n"
      "tensor_init_seed = -3\n", "tensor_init_seed = -3"),
     ("heter_ccl_mode = true\n", "heter_ccl_mode"),
-    ("half_async = true\n", "half_async"),
+    ("half_async = true\n", "Fleet key half_async is not supported"),
     ("lamb = true\n", 'optimizer.type = "Adam"'),
 ])
 def test_what_bigbatch_cannot_honour_is_refused_by_name(text, named):

@@ -193,6 +193,18 @@ SWITCHES = ("lars", "lamb", "gradient_merge", "amp", "recompute", "sharding", "p
             "tensor_parallel", "a_sync", "dgc", "localsgd", "adaptive_localsgd",
             "sync_batch_norm", "find_unused_parameters")
 
+HALF_ASYNC = ("Paddle's half-async (1.x StrategyFactory.create_half_async_strategy; no "
+              "DistributedStrategy key selects it: a_sync and a_sync_configs.k_steps give sync, "
+              "async or GEO) sums each trainer's CPU_NUM thread gradients into one push, waits "
+              "for it and pulls the parameters, while the servers apply every push as it "
+              "arrives; bigbatch's async worker also waits and pulls: write a_sync = true with "
+              "--set gradient_merge.k_steps=CPU_NUM --set gradient_merge.avg=false --set "
+              "parameter_server.max_staleness=1000000 (Paddle drops no stale gradient)")
+"""The one line for a `half_async` key: what Paddle's HalfAsyncCommunicator does
+(communicator.cc: SendByCommunicator merges with MergeVars(merge_add), RecvByCommunicator
+pulls, no BarrierSend/BarrierRecv; the dense table is not sync, so push_dense applies at
+once) and the bigbatch settings with its arithmetic (tests/test_ps_half_async.py)."""
+
 
 def translate(path_or_text: str | os.PathLike) -> FleetTranslation:
     """Read a Fleet strategy file (or TOML text) and translate it; see the module doc."""
@@ -207,6 +219,8 @@ def translate(path_or_text: str | os.PathLike) -> FleetTranslation:
     for key, value in data.items():
         if key in FILE_KEYS or key in tables or key in NO_EFFECT:
             continue
+        if key == "half_async":
+            raise refuse(source, key, HALF_ASYNC)
         if key not in SWITCHES:
             known = [*SWITCHES, *tables, *NO_EFFECT, *FILE_KEYS]
             guess = closest(key, known)
