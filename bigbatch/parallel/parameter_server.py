@@ -9,7 +9,10 @@ parameters, compute a gradient on their batch and push each server its part.
   data parallelism's), and then every worker gets the new parameters.
 - async: a server applies each gradient as it arrives. A gradient computed on
   parameters more than `max_staleness` versions old is dropped and counted; the
-  staleness of every applied one is kept as a histogram.
+  staleness of every applied one is kept as a histogram. A worker waits for its push's
+  reply and computes on the parameters it brings: Paddle's half-async trainer (whose
+  CPU_NUM threads' summed gradients are a merge with avg = false), not Paddle's async
+  one, which goes on while background threads send and pull.
 - geo (Fleet's GEO-SGD): each worker steps its own copy of the model with the
   optimizer for k steps, then pushes a delta per tensor, d = (x - old) / W, where `old`
   is what it last pulled, and moves `old` by d (`geo_delta`). A server waits for every
