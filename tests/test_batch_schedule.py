@@ -117,7 +117,7 @@ def test_what_a_growing_batch_does_not_combine_with_is_refused(sections, message
 def test_overview_shows_the_growth():
     text = grow(ceiling=1024).overview(1, total_steps=50)
     assert "adaptive: 32 -> at most 1024" in text
-    assert "2 x batch <= 1 x noise scale" in text and "50 of the start batch" in text
+    assert "2 x batch <= 1.25 x noise scale" in text and "50 of the start batch" in text
 
 
 # ---------------------------------------------------------------- the engine
@@ -291,7 +291,7 @@ def test_which_gradient_the_noise_scale_of_adamw_is_of(adaptive, schedule, want)
     assert run.adaptive.warmup_steps == (10 if want else 0)
 
 
-@pytest.mark.parametrize("opt, fraction", [("sgd", 1.0), ("lars", 1.0), ("adamw", 0.0075),
+@pytest.mark.parametrize("opt, fraction", [("sgd", 1.25), ("lars", 1.25), ("adamw", 0.0075),
                                            ("lamb", 0.0075)])
 def test_auto_is_the_noise_rule_at_its_family_fraction(opt, fraction):
     s = strategy(opt, 256, gradient_merge={"avg": True}).with_overrides(

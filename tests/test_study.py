@@ -97,6 +97,32 @@ def test_restart_keeps_finished_cells_and_runs_new_ones(tiny, monkeypatch):
     assert [c["status"] for c in results["cells"]] == ["kept", "kept", "ran", "ran"]
 
 
+def test_a_changed_family_default_reruns_the_cells_that_used_it(tiny, monkeypatch):
+    """A default that unset keys take by optimizer family (here the range test's sweep
+    length) is part of a cell's identity: changing it reruns those cells, and a cell
+    file written before these values were recorded is still kept."""
+    from bigbatch.config.strategy import Strategy
+
+    out, _ = tiny
+    calls = _counting(monkeypatch)
+    run_study(StudyConfig(**TINY, out=str(out)))  # as the fixture left it (or rerun so)
+    calls.clear()
+    real = Strategy.in_force
+    monkeypatch.setattr(Strategy, "in_force", lambda self: {
+        **real(self), "batch.lr_find_steps": 7 if self.lars.enable else self.lr_find_steps})
+    results = run_study(StudyConfig(**TINY, out=str(out)))
+    assert sorted(calls) == [("lars-b32", False), ("lars-b64", False)]
+    assert [c["status"] for c in results["cells"]] == ["kept", "kept", "ran", "ran"]
+    monkeypatch.setattr(Strategy, "in_force", real)
+    old = out / "cells" / "sgd-b32" / S.CELL_FILE
+    spec = json.loads(old.read_text())
+    del spec["in_force"]
+    old.write_text(json.dumps(spec))
+    calls.clear()
+    run_study(StudyConfig(**{**TINY, "strategies": ["sgd"]}, out=str(out)))
+    assert calls == []
+
+
 def test_interrupted_cell_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     cfg = StudyConfig(**{**TINY, "strategies": ["sgd"], "batches": [64]}, out=str(tmp_path))
     calls = _counting(monkeypatch)

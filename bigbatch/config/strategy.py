@@ -411,10 +411,16 @@ class Strategy:
     @property
     def noise_scale_fraction(self) -> float:
         """The adaptive batch's fraction in force: batch.noise_scale_fraction, or when unset,
-        1 for momentum SGD and LARS, 0.0075 for AdamW and LAMB
+        1.25 for momentum SGD and LARS, 0.0075 for AdamW and LAMB
         (`BatchConfig.noise_scale_fraction`)."""
         f = self.batch.noise_scale_fraction
         return f if f is not None else NOISE_SCALE_FRACTIONS[self.optimizer.type]
+
+    def in_force(self) -> dict[str, Any]:
+        """The values the unset keys with family defaults take (`nesterov`,
+        `lr_find_steps`, `noise_scale_fraction`): what `to_dict()` leaves as None."""
+        return {"optimizer.nesterov": self.nesterov, "batch.lr_find_steps": self.lr_find_steps,
+                "batch.noise_scale_fraction": self.noise_scale_fraction}
 
     def optimizer_name(self) -> str:
         """The optimizer the engine builds: ``LARS``, ``LAMB``, ``Muon``, ``momentum`` or ``adamw``

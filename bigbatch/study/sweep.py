@@ -100,7 +100,8 @@ def build_cells(c: StudyConfig, task: Any, recipe: Any,
             for seed in c.seed_list:
                 spec = {"task": c.task, "model": c.model, "task_options": c.task_options,
                         "epochs": c.epochs, "seed": seed, "nproc": c.nproc,
-                        "eval_every": eval_every, "strategy": s.to_dict()}
+                        "eval_every": eval_every, "strategy": s.to_dict(),
+                        "in_force": s.in_force()}
                 spec = json.loads(json.dumps(spec))  # the form it has when read back
                 cells.append(Cell(name, batch, out / dir_name(name, batch, seed), s, spec, seed))
     return cells
@@ -113,16 +114,25 @@ def _read_json(path: Path) -> Any:
         return None
 
 
+def _same_spec(stored: Any, spec: dict[str, Any]) -> bool:
+    """`stored` (a cell file) describes `spec`'s run. The values unset keys take by
+    family ("in_force") are compared too, so a changed default reruns the cells that
+    used it; a cell file from before they were recorded is compared without them."""
+    if isinstance(stored, dict) and "in_force" not in stored:
+        spec = {k: v for k, v in spec.items() if k != "in_force"}
+    return stored == spec
+
+
 def is_finished(cell: Cell) -> bool:
     """The cell's outputs exist and were made by exactly this cell."""
     return ((cell.dir / "summary.json").is_file()
-            and _read_json(cell.dir / CELL_FILE) == cell.spec)
+            and _same_spec(_read_json(cell.dir / CELL_FILE), cell.spec))
 
 
 def _resumable(cell: Cell) -> bool:
     from bigbatch.train.checkpoint import latest_checkpoint
 
-    return (_read_json(cell.dir / PENDING_FILE) == cell.spec
+    return (_same_spec(_read_json(cell.dir / PENDING_FILE), cell.spec)
             and latest_checkpoint(cell.dir) is not None)
 
 
