@@ -115,6 +115,23 @@ def test_bn_momentum_under_merge_follows_the_big_batch(mode):
     assert (1 - merged_momentum(m, k)) ** k == pytest.approx(1 - m)
 
 
+def test_collective_meta_optimizers_are_left_out_of_a_parameter_server_job():
+    """Fleet's LARS, LAMB, gradient merge, AMP and recompute apply in collective jobs only
+    (their `_can_apply` checks `role_maker._is_collective`): under a_sync Fleet trains
+    without them, and so does the translation, saying so line by line."""
+    text = ("a_sync = true\nlars = true\ngradient_merge = true\namp = true\nbatch_size = 8\n"
+            "[optimizer]\ntype = \"Momentum\"\nlearning_rate = 0.1\nmomentum = 0.9\n"
+            "[gradient_merge_configs]\nk_steps = 4\n")
+    t = translate(text)
+    assert {"lars", "gradient_merge", "amp"}.isdisjoint(t.strategy)
+    assert t.strategy["parameter_server"]["enable"]
+    left = {key for key, said in t.rows if said.startswith("(not applied, as in Fleet")}
+    assert left == {"lars", "gradient_merge", "amp"}
+    collective = translate(text.replace("a_sync = true", "a_sync = false"))
+    assert collective.strategy["lars"]["enable"] and collective.strategy["gradient_merge"][
+        "k_steps"] == 4
+
+
 def test_hybrid_configs_lay_out_fleet_degrees():
     t = translate("batch_size = 4\n[hybrid_configs]\ndp_degree = 2\nmp_degree = 2\n"
                   + OPTIMIZER)

@@ -193,6 +193,12 @@ SWITCHES = ("lars", "lamb", "gradient_merge", "amp", "recompute", "sharding", "p
             "tensor_parallel", "a_sync", "dgc", "localsgd", "adaptive_localsgd",
             "sync_batch_norm", "find_unused_parameters")
 
+COLLECTIVE_ONLY = ("lars", "lamb", "gradient_merge", "amp", "recompute")
+"""Switches whose Fleet meta-optimizer applies only in a collective job: each one's
+`_can_apply` starts with ``if not self.role_maker._is_collective: return False``
+(paddle/distributed/fleet/meta_optimizers/{lars,lamb,gradient_merge,amp,recompute}
+_optimizer.py), so under `a_sync` (a parameter-server job) Fleet trains without them."""
+
 HALF_ASYNC = ("Paddle's half-async (1.x StrategyFactory.create_half_async_strategy; no "
               "DistributedStrategy key selects it: a_sync and a_sync_configs.k_steps give sync, "
               "async or GEO) sums each trainer's CPU_NUM thread gradients into one push, waits "
@@ -235,15 +241,21 @@ def translate(path_or_text: str | os.PathLike) -> FleetTranslation:
     t.task = data.get("task")
     kind = _optimizer(t, data, source)
     k_steps = 1
-    if data.get("lars"):
+    on = {name: bool(data.get(name)) for name in COLLECTIVE_ONLY}
+    if data.get("a_sync"):  # a parameter-server job: Fleet leaves these out
+        for name in [n for n, v in on.items() if v]:
+            t.note(name, "(not applied, as in Fleet: its meta-optimizer runs in collective "
+                   "jobs only, and a_sync makes this a parameter-server job)")
+            on[name] = False
+    if on["lars"]:
         _lars(t, data, kind, source)
-    if data.get("lamb"):
+    if on["lamb"]:
         _lamb(t, data, kind, source)
-    if data.get("gradient_merge"):
+    if on["gradient_merge"]:
         k_steps = _merge(t, data, source)
-    if data.get("amp"):
+    if on["amp"]:
         _amp(t, data, source)
-    if data.get("recompute"):
+    if on["recompute"]:
         _recompute(t, data, source)
     layout(t, data, source)
     _batch(t, data, k_steps, source)
