@@ -125,9 +125,12 @@ DEVICES: dict[str, Device] = {
         intra=Link(450e9, 3e-6), inter=Link(50e9, 8e-6),
         matmul_efficiency=0.8, attention_efficiency=0.4, memory_efficiency=0.9,
         source="torchtitan's benchmarks/llama3_h100_202412_torchtitan.md: 96 GB HBM2e at "
-               "2.4 TB/s, NVLink within a host, 400 Gb/s RDMA per GPU, 500 W power limit "
-               "(its peak lies between SXM's and NVL's, not published: SXM's 989 used, as "
-               "torchtitan does for MFU); efficiencies as h100"),
+               "2.4 TB/s, NVLink within a host, 400 Gb/s RDMA per GPU, 500 W power limit; "
+               "its footnote: \"the actual peak TFLOPs number is between SXM and NVL, and "
+               "we don't know its exact value\" (NVIDIA's datasheets: SXM 989 dense bf16 at "
+               "700 W, NVL 835 at 350-400 W). SXM's 989 is used, as torchtitan's MFU does: "
+               "an upper bound on this GPU's rate; benchmarks/plan_anchors.py also predicts "
+               "at NVL's 835. Efficiencies as h100"),
     "cpu": Device(
         name="this machine's CPU (2 cores, one rank per core)", gpus_per_node=2,
         flops={"float32": 40e9, "bfloat16": 10e9, "float16": 10e9},
