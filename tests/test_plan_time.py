@@ -351,3 +351,52 @@ def test_the_gpu_table_is_the_saved_run_and_float32_stays_within_10_percent():
     fp32 = {**saved, "rows": [r for r in saved["rows"] if r["dtype"] == "fp32"]}
     for row in bench.repredict(fp32)["rows"]:
         assert abs(row["ratio_calibrated"] - 1) <= 0.1, row
+
+
+def _anchors_bench():
+    import importlib.util
+
+    from tests._cli import ROOT
+
+    spec = importlib.util.spec_from_file_location(
+        "plan_anchors", ROOT / "benchmarks" / "plan_anchors.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, ROOT
+
+
+def test_the_anchors_table_is_the_saved_run():
+    """docs/plan-time.md's table of published anchors is docs/plan/anchors.json as
+    benchmarks/plan_anchors.py renders it, one row per anchor, in order."""
+    bench, root = _anchors_bench()
+    saved = json.loads((root / "docs" / "plan" / "anchors.json").read_text())
+    page = (root / "docs" / "plan-time.md").read_text()
+    section = page.split("<!-- plan-anchors -->\n")[1].split("\n<!-- /plan-anchors -->")[0]
+    assert section == bench.table(saved)
+    assert [r["name"] for r in saved] == [a["name"] for a in bench.ANCHORS]
+    for row in saved:
+        assert row["ratio"] == pytest.approx(row["predicted"] / row["published"])
+        if "low_peak" in row:  # a lower peak predicts a slower step
+            assert row["low_peak"]["predicted"] < row["predicted"]
+
+
+def test_llama3_405b_chunks_are_the_papers_layout():
+    """Llama 3's 405B pipeline (arXiv 2407.21783, 3.3.2): the first chunk only the
+    embedding, the last only the output and loss, one block in each other chunk: 128 chunks
+    for 16 ranks x 8."""
+    from bigbatch.parallel.pipeline import split_layers
+    from examples.llama import llama3_405b
+
+    bench, _ = _anchors_bench()
+    with torch.device("meta"):
+        model = llama3_405b()
+    chunks = split_layers(model, model.pipeline_layers(), 16 * 8, bench.LLAMA3_CHUNKS)
+    layers = model.pipeline_layers()
+    names = [[layers[i].name for i in r] for r in chunks]
+    assert len(names) == 128 and names[0] == ["embed"] and names[-1] == ["norm", "head"]
+    assert all(n == [f"blocks.{i}"] for i, n in enumerate(names[1:-1]))
+    for anchor in bench.ANCHORS:
+        if anchor["model"] == "llama3_405b":
+            pipe = anchor["strategy"]["pipeline"]
+            assert pipe["pp_degree"] * pipe["virtual_stages"] == 128
+            assert pipe["split_points"] == bench.LLAMA3_CHUNKS
