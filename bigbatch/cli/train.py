@@ -144,9 +144,13 @@ def resolve(args: argparse.Namespace):
     from bigbatch.config.strategy import WARMUP_KEYS, Strategy
     from bigbatch.tasks import task_class
     from bigbatch.train.checkpoint import latest_checkpoint, resume_checkpoint
+    from bigbatch.train.lock import check_unlocked
     from bigbatch.train.trainer import RUN_FILE, TrainConfig
 
     out = Path(args.out or "runs/train")
+    # Another job's directory is refused before its checkpoints are read: a save in
+    # progress there would otherwise be warned about first (no manifest yet).
+    check_unlocked(out)
     resume, overwrite = args.resume, args.overwrite
     if _restarted():
         # torchrun --max-restarts restarts every worker with the same arguments: continue

@@ -1,6 +1,7 @@
 """Stopping on a signal: SIGTERM (a scheduler's preemption), SIGINT (Ctrl-C), SIGHUP.
 
-While a run trains, the first such signal only asks it to stop: every worker finishes
+While a run trains, the first such signal only asks it to stop (rank 0 says so on stderr
+at once: "bigbatch: SIGINT: stopping after this step, ..."): every worker finishes
 the optimizer step it is in, they agree (one all-reduce of a flag per step) on the
 step to stop after, save a checkpoint there and raise `Stopped`; the CLI prints one
 line and exits with 128 + the signal's number (143, 130, 129), and `--resume`
@@ -14,6 +15,7 @@ Before training starts (checks, data, rendezvous) there is nothing to save:
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -119,6 +121,10 @@ class StopSignals:
             raise KeyboardInterrupt  # asked twice: at once
         if self.requested is None:
             self.requested = signum
+            if self.world.rank == 0:  # said at once, past the progress bar's buffer
+                again = " (Ctrl-C again: at once)" if signum == signal.SIGINT else ""
+                os.write(2, f"\nbigbatch: {signal.Signals(signum).name}: stopping after this "
+                            f"step, with a checkpoint{again}\n".encode())
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[None]:
