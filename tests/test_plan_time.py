@@ -297,16 +297,20 @@ def test_the_optimizer_is_costed_on_a_steady_step():
     assert second.kernels <= 8 * len(optimizer.param_groups)
 
 
-def _gpu_bench():
+def _benchmark(name: str):
+    """(benchmarks/NAME.py as a module, the repository root)."""
     import importlib.util
 
     from tests._cli import ROOT
 
-    spec = importlib.util.spec_from_file_location(
-        "plan_time_gpu", ROOT / "benchmarks" / "plan_time_gpu.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module, ROOT
+
+
+def _gpu_bench():
+    return _benchmark("plan_time_gpu")
 
 
 def test_a_saved_gpu_run_is_predicted_again_without_a_gpu():
@@ -354,15 +358,7 @@ def test_the_gpu_table_is_the_saved_run_and_float32_stays_within_10_percent():
 
 
 def _anchors_bench():
-    import importlib.util
-
-    from tests._cli import ROOT
-
-    spec = importlib.util.spec_from_file_location(
-        "plan_anchors", ROOT / "benchmarks" / "plan_anchors.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module, ROOT
+    return _benchmark("plan_anchors")
 
 
 def test_the_anchors_table_is_the_saved_run():
