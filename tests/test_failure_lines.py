@@ -204,6 +204,10 @@ def test_the_launcher_picks_one_line_for_the_job():
     # A worker killed outright before anyone failed: the launcher names it itself.
     assert choose({1: _failure(-9, at=100), 0: _failure(1, named, PEER_NAMED, 102.9)}
                   ) == (None, 1, 1)
+    # One killed outright, the survivor ended by torchrun's SIGTERM in the same second:
+    # the killed one is named, whatever the ranks' order.
+    assert choose({0: _failure(-15, at=100), 1: _failure(-9, at=100)}) == (None, 1, 1)
+    assert choose({0: _failure(-9, at=100), 1: _failure(-15, at=100)}) == (None, 1, 0)
     # A worker that printed its own traceback: its status, nothing more.
     assert choose({0: _failure(3, at=100)}) == (None, 3, None)
 

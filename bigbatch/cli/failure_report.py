@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -84,7 +85,11 @@ def choose(failures: dict[int, Any]) -> tuple[str | None, int, int | None]:
         elif failure.exitcode < 0:
             deaths[rank] = failure
     first_report = min((r["time"] for r in reports.values()), default=float("inf"))
-    first_death = min(deaths.items(), key=lambda kv: (kv[1].timestamp, kv[0]), default=None)
+    # torchrun stamps a death in whole seconds when it collects it, and it ends the
+    # survivors of a death with SIGTERM in the same second: a tie goes to another signal
+    # (the rank killed first), then to the lowest rank.
+    first_death = min(deaths.items(), key=lambda kv: (
+        kv[1].timestamp, kv[1].exitcode == -signal.SIGTERM, kv[0]), default=None)
     before = int(first_report) if reports else first_report  # whole seconds, as torchrun's
     if first_death is not None and first_death[1].timestamp <= before:
         return None, 1, first_death[0]  # a worker died first: the others only lost it
