@@ -246,19 +246,33 @@ def run_lamb(case: dict, kernel: str = "auto", real=None, foreach: bool = False)
     s = dict(lr=2e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, bias_correction=True,
              trust_clip=False, always_adapt=False) | case
     wd = s.pop("weight_decay")
+    ref, diffs = _race(RefLamb, bigbatch_lamb, real, wd, 16.0, kernel, foreach, s)
+    return (*diffs, ref.clipped)
+
+
+def _race(ref_cls, ours, real, wd: float, scale: float, kernel: str, foreach: bool, s: dict,
+          lr_at=None) -> tuple:
+    """The reference, bigbatch's and (if given) timm's optimizer on the same batches, each
+    on its own copy of the model: (the reference, (worst difference of bigbatch's, of
+    timm's or nan)). ``lr_at(step)``: a changing LR."""
     models = make_models(3 if real else 2)
-    ref = RefLamb(timm_groups(models[0], wd), **s)
-    opts = [bigbatch_lamb(timm_groups(models[1], wd), kernel=kernel, **s)]
+    ref = ref_cls(timm_groups(models[0], wd), **s)
+    opts = [ours(timm_groups(models[1], wd), kernel=kernel, **s)]
     if real:
         opts.append(real(timm_groups(models[2], wd), foreach=foreach, **s))
-    for x, y in batches():
-        backward(models[0], x, y, 16.0)
+    for i, (x, y) in enumerate(batches()):
+        if lr_at is not None:
+            ref.lr = lr_at(i)
+            for opt in opts:
+                for group in opt.param_groups:
+                    group["lr"] = lr_at(i)
+        backward(models[0], x, y, scale)
         ref.step()
         for model, opt in zip(models[1:], opts, strict=True):
-            backward(model, x, y, 16.0)
+            backward(model, x, y, scale)
             opt.step()
-    return (worst(models[1], models[0]), worst(models[2], models[0]) if real else math.nan,
-            ref.clipped)
+    return ref, (worst(models[1], models[0]),
+                 worst(models[2], models[0]) if real else math.nan)
 
 
 def run_lars(case: dict, lr_at=None, kernel: str = "auto", real=None,
@@ -267,24 +281,8 @@ def run_lars(case: dict, lr_at=None, kernel: str = "auto", real=None,
     or nan), the reference's trust ratios over the LR). ``lr_at(step)``: a changing LR."""
     s = dict(lr=0.5, momentum=0.0, nesterov=False, trust_coeff=0.02, eps=1e-8,
              trust_clip=False, always_adapt=False) | case
-    models = make_models(3 if real else 2)
-    ref = RefLars(timm_groups(models[0], 1e-3), **s)
-    opts = [bigbatch_lars(timm_groups(models[1], 1e-3), kernel=kernel, **s)]
-    if real:
-        opts.append(real(timm_groups(models[2], 1e-3), foreach=foreach, **s))
-    for i, (x, y) in enumerate(batches()):
-        if lr_at is not None:
-            ref.lr = lr_at(i)
-            for opt in opts:
-                for group in opt.param_groups:
-                    group["lr"] = lr_at(i)
-        backward(models[0], x, y, 1.0)
-        ref.step()
-        for model, opt in zip(models[1:], opts, strict=True):
-            backward(model, x, y, 1.0)
-            opt.step()
-    return (worst(models[1], models[0]), worst(models[2], models[0]) if real else math.nan,
-            ref.ratios)
+    ref, diffs = _race(RefLars, bigbatch_lars, real, 1e-3, 1.0, kernel, foreach, s, lr_at)
+    return (*diffs, ref.ratios)
 
 
 @pytest.mark.parametrize("kernel", ["reference", "per_tensor", "multi_tensor"])

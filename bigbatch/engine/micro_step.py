@@ -116,16 +116,16 @@ class MicroStep:
         try:
             return self._exit(exc_type, exc, tb)
         except BaseException as e:
-            if self._ended is not None:
-                self._ended(e)
+            exc = e  # raised by the step itself (a non-finite loss, say)
             raise
+        finally:
+            if exc is not None and self._ended is not None:
+                self._ended(exc)
 
     def _exit(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         for ctx in reversed(self._contexts):
             ctx.__exit__(exc_type, exc, tb)
         if exc_type is not None:
-            if self._ended is not None:
-                self._ended(exc)
             return False
         if not self._called:
             raise RuntimeError("call ms.backward(loss) inside `with run.micro_step() as ms:`")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import time
 from collections.abc import Callable
 from typing import Any
@@ -501,11 +500,11 @@ class Run:
     def close(self) -> None:
         """Tear down the process group if `prepare()` created it."""
         if self._owns_group:
-            # DDP's reducer must go before the process group it uses (see `train.train`).
+            # DDP's reducer must go before the process group it uses: dropped here,
+            # collected by `teardown` before the group goes (see `train.train`).
             self.model = self.module
             self.window.set_ddp(None)
             if self.pipeline is not None:
                 self.pipeline.close()
-            gc.collect()
             teardown()
             self._owns_group = False
