@@ -9,6 +9,7 @@ class, not a degenerate case of the distributed one.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -175,8 +176,6 @@ def teardown() -> None:
     group with it, at the interpreter's exit, where gloo's threads abort the process
     ("terminate called without an active exception")."""
     if dist.is_available() and dist.is_initialized():
-        import gc
-
         gc.collect()
         dist.destroy_process_group()
 
